@@ -1,0 +1,92 @@
+"""Timing and reporting helpers shared by the benchmarks.
+
+Timings use CUDA events around the region, after warm-up, and report the median of ``iters`` repetitions
+(the method of ../shared/ANCHORS.md). On CPU they fall back to ``time.perf_counter`` so the code path runs
+everywhere, but only GPU numbers go into docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["time_fn", "peak_memory_gib", "print_table", "write_json", "env_info"]
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
+    """Median wall time of ``fn()`` in milliseconds.
+
+    On CUDA each repetition is bracketed by CUDA events (asynchronous work is counted, host gaps too);
+    elsewhere by ``time.perf_counter``. ``warmup`` calls run first and are discarded.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_memory_gib(reset: bool = False) -> float:
+    """Peak CUDA memory allocated since the last reset, GiB (0.0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    value = torch.cuda.max_memory_allocated() / 2**30
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return value
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+    """Print ``rows`` (dicts) as a Markdown table and return the text."""
+    if not rows:
+        return ""
+    columns = list(columns or rows[0].keys())
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def env_info() -> dict:
+    """GPU name, torch/CUDA/Triton versions and the date, for the header of a benchmark table."""
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
+    info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def write_json(path: str | None, name: str, rows: Sequence[dict]) -> None:
+    """Write ``{"env": env_info(), "name": name, "rows": rows}`` to ``path`` (no-op when ``path`` is None)."""
+    if path is None:
+        return
+    with open(path, "w") as f:
+        json.dump({"env": env_info(), "name": name, "rows": list(rows)}, f, indent=2)

@@ -1,0 +1,98 @@
+"""``autocast`` / ``fp8_autocast``: the FP8 region, held in a ``contextvars.ContextVar`` (no global state).
+
+Modules that cast to FP8 inside the region register their :class:`ScalingState` with the active context. When
+the outermost-or-own region exits normally, all registered states get one delayed-scaling update (amaxes
+reduced across ``amax_group`` in one collective first, when the recipe asks). Gradients' amaxes are recorded
+during ``backward`` (after the region exited) and are consumed by the next region's update, so every scale in
+use comes from past amaxes: delayed scaling, as in TransformerEngine.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fp8engine.recipe import CurrentScaling, DelayedScaling
+
+__all__ = ["autocast", "fp8_autocast", "get_fp8_recipe", "get_fp8_context", "FP8Context", "recompute_context"]
+
+
+@dataclass
+class FP8Context:
+    """The active FP8 region: its recipe, the amax reduction group, and the scaling states used inside it.
+
+    ``record_amax`` is False while activation checkpointing recomputes a forward, so amaxes are not counted twice.
+    """
+
+    recipe: object
+    amax_group: object = None
+    record_amax: bool = True
+    states: dict = field(default_factory=dict)
+
+    def register(self, state) -> None:
+        self.states[id(state)] = state
+
+
+_FP8_CONTEXT: contextvars.ContextVar[Optional[FP8Context]] = contextvars.ContextVar("fp8engine_fp8_context",
+                                                                                     default=None)
+
+
+def get_fp8_context() -> Optional[FP8Context]:
+    """The active :class:`FP8Context`, or None outside an enabled FP8 region."""
+    return _FP8_CONTEXT.get()
+
+
+def get_fp8_recipe():
+    """The active recipe (:class:`DelayedScaling` or :class:`CurrentScaling`), or None outside FP8 regions."""
+    ctx = _FP8_CONTEXT.get()
+    return None if ctx is None else ctx.recipe
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True, recipe=None, amax_group=None):
+    """Run the enclosed forward passes in FP8 with ``recipe`` (default ``DelayedScaling()``).
+
+    Args:
+        enabled: False opens a region where FP8 is off (inside an enabled one too); nesting restores the outer.
+        recipe: :class:`fp8engine.recipe.DelayedScaling` or :class:`fp8engine.recipe.CurrentScaling`.
+        amax_group: a ``torch.distributed`` process group across which amaxes are MAX-reduced before the scale
+            update (``DelayedScaling.reduce_amax``); usually the data-parallel (or dp x tp) group.
+    Raises:
+        TypeError: ``recipe`` is not one of the recipes above.
+    """
+    if recipe is None:
+        recipe = DelayedScaling()
+    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        raise TypeError(f"recipe must be fp8engine.recipe.DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
+    ctx = FP8Context(recipe, amax_group) if enabled else None
+    token = _FP8_CONTEXT.set(ctx)
+    try:
+        yield ctx
+    except BaseException:
+        _FP8_CONTEXT.reset(token)
+        raise
+    _FP8_CONTEXT.reset(token)
+    if ctx is not None and isinstance(recipe, DelayedScaling) and ctx.states:
+        from fp8engine.fp8.state import reduce_and_update
+
+        reduce_and_update(ctx.states.values(), recipe, amax_group)
+
+
+def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
+    """TransformerEngine's spelling of :func:`autocast`: ``fp8_autocast(enabled, fp8_recipe, fp8_group)``."""
+    return autocast(enabled=enabled, recipe=fp8_recipe, amax_group=fp8_group)
+
+
+@contextlib.contextmanager
+def recompute_context(ctx: Optional[FP8Context]):
+    """Re-enter ``ctx``'s recipe for an activation-checkpoint recompute: same scales, amaxes not recorded,
+    no scale update at exit."""
+    if ctx is None:
+        token = _FP8_CONTEXT.set(None)
+    else:
+        token = _FP8_CONTEXT.set(FP8Context(ctx.recipe, ctx.amax_group, record_amax=False))
+    try:
+        yield
+    finally:
+        _FP8_CONTEXT.reset(token)

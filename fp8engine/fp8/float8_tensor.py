@@ -1,0 +1,137 @@
+"""``Float8Tensor``: FP8 bits together with the scale-inverse that dequantizes them, and ``quantize``.
+
+The scale-inverse belongs to the data: it is computed by the op that writes the FP8 bits, into a tensor of its
+own, so later changes to a recipe's ``scale`` buffer (even in place) never change how an existing
+``Float8Tensor`` dequantizes.
+
+``Float8Tensor`` is a plain container (not a ``torch.Tensor`` subclass): nothing dispatches through it, so it
+costs no Python ``__torch_dispatch__`` overhead in eager mode and is a simple object for ``torch.compile``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fp8engine.fp8.dtypes import FP8_DTYPES, HIGH_PRECISION_DTYPES, fp8_max_of
+
+__all__ = ["Float8Tensor", "quantize", "quantize_current", "current_scale"]
+
+
+class Float8Tensor:
+    """FP8 data with its ``scale_inv``: ``x ≈ data.float() * scale_inv``.
+
+    Attributes:
+        data: FP8 tensor (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``), any shape ``[*, N]``, row-major.
+        scale_inv: 1-element float32 tensor, ``1 / scale`` at the time the bits were written.
+        dtype: the logical high-precision dtype (what ``dequantize()`` returns by default).
+        data_t: optional transposed copy ``[N, M]`` of ``data`` viewed as 2-D ``[M, N]`` (for the GEMMs that
+            need the other layout: dgrad needs ``W^T``, wgrad needs ``X^T`` and ``dY^T``), or None.
+    """
+
+    __slots__ = ("data", "scale_inv", "dtype", "_data_t")
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                 data_t: Optional[torch.Tensor] = None):
+        if data.dtype not in FP8_DTYPES.values():
+            raise TypeError(f"Float8Tensor data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
+        self.data = data
+        self.scale_inv = scale_inv
+        self.dtype = dtype
+        self._data_t = data_t
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def transpose_2d(self) -> torch.Tensor:
+        """FP8 bits of the 2-D transpose ``[N, M]`` (made once, then kept)."""
+        if self._data_t is None:
+            self._data_t = self.data.reshape(-1, self.data.shape[-1]).t().contiguous()
+        return self._data_t
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """High-precision copy ``data * scale_inv`` in ``dtype`` (default: the logical dtype)."""
+        return (self.data.float() * self.scale_inv).to(dtype or self.dtype)
+
+    def __repr__(self) -> str:
+        return (f"Float8Tensor(shape={tuple(self.data.shape)}, fp8_dtype={self.fp8_dtype}, dtype={self.dtype}, "
+                f"scale_inv={self.scale_inv.item() if self.scale_inv.numel() == 1 else self.scale_inv})")
+
+
+def _check_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"quantize takes float32, bfloat16 or float16 input, got {x.dtype}")
+    if fp8_dtype not in FP8_DTYPES.values():
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return False
+    from fp8engine.kernels import kernels_available
+
+    return kernels_available(x.device)
+
+
+def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, *,
+             amax_out: Optional[torch.Tensor] = None, transpose: bool = False) -> Float8Tensor:
+    """Cast ``x`` to FP8 with a given per-tensor ``scale``: ``data = saturate(x * scale)``, rounded to nearest even.
+
+    Args:
+        x: ``[*, N]`` float32/bfloat16/float16.
+        fp8_dtype: ``torch.float8_e4m3fn`` (max 448) or ``torch.float8_e5m2`` (max 57344).
+        scale: 1-element float32 tensor; multiply by it to go into the FP8 range.
+        amax_out: optional 1-element float32 tensor (e.g. ``amax_history[row, 0:1]``); ``max(|x|)`` is
+            max-accumulated into it (a NaN in ``x`` records NaN, which the scale update then ignores).
+        transpose: also produce the transposed FP8 copy (``Float8Tensor.data_t``, ``[N, M]``).
+    Returns:
+        A :class:`Float8Tensor` whose ``scale_inv`` is a new tensor ``1 / scale``.
+    Raises:
+        TypeError: ``x`` is not a high-precision float tensor or ``fp8_dtype`` is not an FP8 dtype.
+    """
+    _check_input(x, fp8_dtype)
+    scale = scale.reshape(1).float()
+    if _use_kernels(x):
+        from fp8engine.kernels.cast import cast_to_fp8
+
+        data, data_t, scale_inv = cast_to_fp8(x.contiguous(), scale, fp8_dtype, amax_out, transpose=transpose)
+        return Float8Tensor(data, scale_inv, x.dtype, data_t)
+    if amax_out is not None:
+        torch.maximum(amax_out, x.detach().abs().amax().float().reshape(amax_out.shape), out=amax_out)
+    fp8_max = fp8_max_of(fp8_dtype)
+    data = (x.detach().float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    out = Float8Tensor(data, scale.reciprocal(), x.dtype)
+    if transpose:
+        out.transpose_2d()
+    return out
+
+
+def current_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Current-scaling scale ``fp8_max / amax`` as a 1-element float32 tensor (1.0 where amax is 0 or not finite)."""
+    amax = amax.float().reshape(1)
+    ok = torch.isfinite(amax) & (amax > 0)
+    return torch.where(ok, fp8_max_of(fp8_dtype) / torch.where(ok, amax, torch.ones_like(amax)),
+                       torch.ones_like(amax))
+
+
+def quantize_current(x: torch.Tensor, fp8_dtype: torch.dtype, *, transpose: bool = False,
+                     amax: Optional[torch.Tensor] = None) -> Float8Tensor:
+    """Current (just-in-time) scaling: ``scale = fp8_max / max(|x|)`` of this very tensor, then :func:`quantize`.
+
+    ``amax`` may be given when it was computed (and, for sharded tensors, reduced across ranks) already.
+    """
+    _check_input(x, fp8_dtype)
+    if amax is None:
+        amax = x.detach().abs().amax().float()
+    return quantize(x, fp8_dtype, current_scale(amax, fp8_dtype), transpose=transpose)

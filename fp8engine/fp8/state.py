@@ -1,0 +1,116 @@
+"""Per-module FP8 scaling state, kept as buffers so ``state_dict``, ``.to()``, DDP and checkpoints carry it."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from fp8engine.recipe import DelayedScaling
+
+__all__ = ["ScalingState", "reduce_and_update"]
+
+
+class ScalingState(nn.Module):
+    """Amax histories and scales of the FP8 tensors one module casts (e.g. input, weight, grad_output).
+
+    Buffers:
+        amax_history: ``[n, L]`` float32, row ``i`` for ``roles[i]``, column 0 = the current step's amax
+            (max-accumulated by every cast of that tensor until the next update).
+        scale: ``[n]`` float32, initially 1.0; multiply by it to enter the FP8 range.
+        update_step: ``[]`` int64, how many updates ran (drives ``DelayedScaling.interval``).
+
+    Args:
+        roles: one name per FP8 tensor; a role ending in ``"grad_output"`` or ``"grad"`` uses the recipe's
+            backward format (E5M2 under ``Format.HYBRID``), the others the forward format.
+        amax_history_len: initial ``L``; re-sized (keeping the newest entries) to the active recipe's length on
+            first use, and to a loaded checkpoint's length by ``load_state_dict``.
+    """
+
+    def __init__(self, roles: Sequence[str], amax_history_len: int = 1024, device=None):
+        super().__init__()
+        self.roles = tuple(roles)
+        n = len(self.roles)
+        self.register_buffer("amax_history", torch.zeros(n, amax_history_len, dtype=torch.float32, device=device))
+        self.register_buffer("scale", torch.ones(n, dtype=torch.float32, device=device))
+        self.register_buffer("update_step", torch.zeros((), dtype=torch.int64, device=device))
+        self._fp8_max_cache: dict = {}
+
+    def index(self, role: str) -> int:
+        return self.roles.index(role)
+
+    def is_grad(self, i: int) -> bool:
+        return self.roles[i].endswith("grad") or self.roles[i].endswith("grad_output")
+
+    def fp8_max(self, recipe) -> torch.Tensor:
+        """``[n]`` float32 per-row FP8 maxima under ``recipe``'s format (cached per format and device)."""
+        key = (recipe.fp8_format, self.scale.device)
+        value = self._fp8_max_cache.get(key)
+        if value is None:
+            fmt = recipe.fp8_format
+            value = torch.tensor([fmt.bwd_max if self.is_grad(i) else fmt.fwd_max for i in range(len(self.roles))],
+                                 dtype=torch.float32, device=self.scale.device)
+            self._fp8_max_cache[key] = value
+        return value
+
+    def resize_history(self, length: int) -> None:
+        """Change ``L`` keeping entries ``[:, :min(L, old)]`` (index 0 = current step)."""
+        old = self.amax_history
+        if old.shape[1] == length:
+            return
+        new = torch.zeros(old.shape[0], length, dtype=old.dtype, device=old.device)
+        k = min(length, old.shape[1])
+        new[:, :k] = old[:, :k]
+        self.amax_history = new
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        hist = state_dict.get(prefix + "amax_history")
+        if hist is not None and hist.shape != self.amax_history.shape and hist.shape[0] == len(self.roles):
+            self.resize_history(hist.shape[1])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"roles={self.roles}, amax_history_len={self.amax_history.shape[1]}"
+
+
+def _update_torch(states: Sequence[ScalingState], recipe: DelayedScaling) -> None:
+    from fp8engine.fp8.scaling import update_amax_history, update_fp8_scale
+
+    for st in states:
+        new_scale, _ = update_fp8_scale(st.amax_history, st.scale, st.fp8_max(recipe), margin=recipe.margin,
+                                        amax_compute_algo=recipe.amax_compute_algo)
+        do_update = (st.update_step % recipe.interval) == 0
+        st.scale.copy_(torch.where(do_update, new_scale, st.scale))
+        st.amax_history.copy_(update_amax_history(st.amax_history))
+        st.update_step.add_(1)
+
+
+@torch.no_grad()
+def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, amax_group=None) -> None:
+    """One delayed-scaling update for every state: optional MAX all-reduce of the current amaxes (one collective
+    for all tensors), then new scales and rolled histories (TransformerEngine's rule, see
+    :func:`fp8engine.fp8.scaling.update_fp8_scale`). A NaN/inf/zero amax keeps the previous scale."""
+    states = list(states)
+    if not states:
+        return
+    if recipe.reduce_amax and amax_group is not None:
+        from fp8engine.parallel.amax import all_reduce_current_amax
+
+        all_reduce_current_amax([st.amax_history for st in states], amax_group)
+    first = states[0].amax_history
+    same_len = all(st.amax_history.shape[1] == first.shape[1] for st in states)
+    # The fused kernel takes one update flag for all states, so it serves interval == 1 (every update
+    # recomputes scales); other intervals use the per-state torch path.
+    if first.is_cuda and same_len and recipe.interval == 1 and not callable(recipe.amax_compute_algo):
+        from fp8engine.kernels import kernels_available
+
+        if kernels_available(first.device):
+            from fp8engine.kernels.scaling import delayed_scaling_update
+
+            delayed_scaling_update([st.amax_history for st in states], [st.scale for st in states],
+                                   [st.fp8_max(recipe) for st in states], margin=recipe.margin,
+                                   algo=recipe.amax_compute_algo, update_scale=True)
+            for st in states:
+                st.update_step.add_(1)
+            return
+    _update_torch(states, recipe)

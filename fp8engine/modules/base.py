@@ -1,0 +1,74 @@
+"""What every FP8 module shares: its scaling state, the per-forward FP8 set-up, and FP8 weight caching."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from fp8engine.fp8.autocast import get_fp8_context
+from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.state import ScalingState
+from fp8engine.ops.cast import FP8Plan, begin_fp8, cast_operand
+from fp8engine.ops.gemm import check_gemm_dims
+
+__all__ = ["FP8Module", "FP8WeightCache"]
+
+
+class FP8WeightCache:
+    """FP8 copies of weights for gradient accumulation (``is_first_microbatch``, TransformerEngine's semantics).
+
+    ``None``: cast every call, cache nothing. ``True``: cast and keep. ``False``: reuse what the first
+    micro-batch kept (no cast, no amax recorded).
+    """
+
+    def __init__(self):
+        self._cache: dict[str, Float8Tensor] = {}
+
+    def get(self, name: str, weight: torch.Tensor, state: ScalingState, row: int, plan: FP8Plan,
+            is_first_microbatch: Optional[bool], transpose: bool) -> Float8Tensor:
+        if is_first_microbatch is False:
+            cached = self._cache.get(name)
+            if cached is None:
+                raise ValueError(f"is_first_microbatch=False but no FP8 copy of {name!r} is cached; pass "
+                                 "is_first_microbatch=True on the first micro-batch of the step")
+            return cached
+        w_fp8 = cast_operand(weight, state, row, plan, transpose=transpose)
+        if is_first_microbatch:
+            self._cache[name] = w_fp8
+        else:
+            self._cache.pop(name, None)
+        return w_fp8
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+
+class FP8Module(nn.Module):
+    """Base of modules with FP8 GEMMs: owns ``fp8_state`` (a :class:`ScalingState`) and the weight cache.
+
+    Subclasses call :meth:`fp8_begin` at the top of ``forward``; it returns None outside FP8 regions.
+    """
+
+    def __init__(self, roles: Sequence[str], gemm_dims: Sequence[tuple[int, int]], device=None):
+        super().__init__()
+        self.fp8_state = ScalingState(roles, device=device)
+        self._gemm_dims = tuple(gemm_dims)
+        self._fp8_dims_checked = False
+        self._weight_cache = FP8WeightCache()
+
+    def fp8_begin(self) -> Optional[FP8Plan]:
+        ctx = get_fp8_context()
+        if ctx is None:
+            return None
+        if not self._fp8_dims_checked:
+            for k, n in self._gemm_dims:
+                check_gemm_dims(k, n, type(self).__name__)
+            self._fp8_dims_checked = True
+        return begin_fp8(self.fp8_state, ctx)
+
+    def fp8_weight(self, name: str, weight: torch.Tensor, role: str, plan: FP8Plan,
+                   is_first_microbatch: Optional[bool]) -> Float8Tensor:
+        # dgrad needs W^T whenever a backward may run (the input may require grad even if W does not).
+        return self._weight_cache.get(name, weight, self.fp8_state, self.fp8_state.index(role), plan,
+                                      is_first_microbatch, transpose=torch.is_grad_enabled())

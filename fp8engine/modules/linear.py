@@ -1,0 +1,93 @@
+"""``fp8engine.Linear``: ``torch.nn.Linear`` whose GEMMs run in FP8 inside ``autocast``."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8engine.modules.base import FP8Module
+from fp8engine.ops.linear import LINEAR_ROLES, accumulate_wgrad, fp8_linear
+
+__all__ = ["Linear", "default_init"]
+
+
+def default_init(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """``torch.nn.Linear``'s initialisation (Kaiming-uniform with a=sqrt(5); bias U(±1/sqrt(fan_in)))."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
+
+
+class _HighPrecisionMainGrad(torch.autograd.Function):
+    """High-precision linear whose wgrad goes into ``weight.main_grad`` (``fuse_wgrad_accumulation``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2d, x2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        accumulate_wgrad(weight, (dy2d.t() @ x2d).float())
+        db = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dy @ weight, None, db
+
+
+class Linear(FP8Module):
+    """``y = x @ weight.T + bias``, in FP8 (per-tensor scaling) inside :func:`fp8engine.autocast`.
+
+    Outside autocast it is ``torch.nn.functional.linear``, bit for bit. Inside, fprop/dgrad/wgrad run as FP8
+    GEMMs, the scaling state (``fp8_state``: amax history and scale of input, weight, grad_output) lives in
+    buffers, so ``state_dict`` round-trips it.
+
+    Args:
+        in_features, out_features: ``K`` and ``N``; FP8 needs both to be multiples of 16 (``ValueError`` at the
+            first FP8 forward otherwise).
+        bias: add a learnable ``[N]`` bias.
+        params_dtype: dtype of weight and bias (default ``torch.get_default_dtype()``).
+        device: where to allocate parameters and state.
+        init_method: ``fn(weight)`` initialising the ``[N, K]`` weight in place (bias then zeroed, as in
+            Megatron); default ``torch.nn.Linear``'s initialisation.
+        fuse_wgrad_accumulation: weight gradients are added to an fp32 ``weight.main_grad`` that the user
+            allocates; ``weight.grad`` stays None.
+    Shapes: input ``[*, K]`` -> output ``[*, N]`` in the input's dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, params_dtype=None, device=None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None, fuse_wgrad_accumulation: bool = False):
+        super().__init__(LINEAR_ROLES, [(in_features, out_features)], device=device)
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"Linear needs positive in_features/out_features, got {in_features}, {out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        with torch.no_grad():
+            if init_method is None:
+                default_init(self.weight, self.bias)
+            else:
+                init_method(self.weight)
+                if self.bias is not None:
+                    self.bias.zero_()
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """``x``: ``[*, in_features]``; ``is_first_microbatch``: FP8 weight caching (see :class:`FP8WeightCache`)."""
+        plan = self.fp8_begin()
+        if plan is None:
+            if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+                return _HighPrecisionMainGrad.apply(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
+        w_fp8 = self.fp8_weight("weight", self.weight, "weight", plan, is_first_microbatch)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_state, plan, w_fp8=w_fp8,
+                          fuse_wgrad=self.fuse_wgrad_accumulation)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

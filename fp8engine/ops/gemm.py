@@ -1,0 +1,87 @@
+"""FP8 GEMM through ``torch._scaled_mm`` (CPU and CUDA), with the layout rules handled.
+
+``fp8_gemm(a, b)`` computes ``a @ b.T`` (the "TN" form every Linear GEMM reduces to):
+- fprop  ``y  = x  @ w.T``:  a = x  ``[M, K]``,    b = w   ``[N, K]``
+- dgrad  ``dx = dy @ w``:    a = dy ``[M, N]``,    b = w^T ``[K, N]``
+- wgrad  ``dw = dy.T @ x``:  a = dy^T ``[N, M]``,  b = x^T ``[K, M]``
+``_scaled_mm`` wants its first operand row-major and its second column-major; ``b.t()`` of a row-major ``b`` is
+exactly that, so no copy is made here. Both inner and output dims must be multiples of 16 for cuBLASLt.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from fp8engine.fp8.float8_tensor import Float8Tensor
+
+__all__ = ["fp8_gemm", "fp8_mm", "check_gemm_dims"]
+
+_ALIGN = 16  # cuBLASLt FP8 requires K and N to be multiples of 16 (torch._scaled_mm checks it on CUDA)
+
+
+def check_gemm_dims(in_features: int, out_features: int, what: str = "Linear") -> None:
+    """Raise ``ValueError`` when a layer's dims cannot run as FP8 GEMMs (each must be a multiple of 16)."""
+    for name, dim in (("in_features", in_features), ("out_features", out_features)):
+        if dim % _ALIGN:
+            raise ValueError(
+                f"{what}: {name}={dim} is not a multiple of 16, which FP8 GEMMs (torch._scaled_mm) require; "
+                f"pad it to {-(-dim // _ALIGN) * _ALIGN} or keep this layer in high precision "
+                f"(convert_to_fp8 leaves such layers alone)")
+
+
+def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    rem = t.shape[-1] % multiple
+    if rem == 0:
+        return t
+    # FP8 dtypes have no pad kernel everywhere: pad the raw bytes (0x00 is +0.0 in both encodings).
+    return F.pad(t.view(torch.uint8), (0, multiple - rem)).view(t.dtype)
+
+
+def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+           out_dtype: torch.dtype, *, bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False,
+           pad_inner: bool = False) -> torch.Tensor:
+    """``(a * a_scale_inv) @ (b * b_scale_inv).T`` in FP8 tensor cores, result in ``out_dtype``.
+
+    Args:
+        a: ``[M, K]`` FP8, row-major. b: ``[N, K]`` FP8, row-major. At most one of them may be E5M2.
+        a_scale_inv, b_scale_inv: 1-element float32 dequantization factors.
+        out_dtype: float32, bfloat16 or float16.
+        bias: optional ``[N]``, added in the GEMM epilogue when its dtype is ``out_dtype`` (bf16/fp16), else after.
+        use_fast_accum: cuBLASLt fast accumulation (TransformerEngine uses it for fprop only).
+        pad_inner: zero-pad K up to a multiple of 16 (used for wgrad, where K is the token count).
+    Raises:
+        TypeError: non-FP8 operands, or E5M2 x E5M2.
+        ValueError: K or N not a multiple of 16 (and ``pad_inner`` not set for K).
+    """
+    if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.dtype not in (torch.float8_e4m3fn,
+                                                                                 torch.float8_e5m2):
+        raise TypeError(f"fp8_mm operands must be FP8, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise TypeError("E5M2 x E5M2 GEMMs are not supported by cuBLASLt; quantize one operand to E4M3")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_mm needs a [M, K] and b [N, K]; got {tuple(a.shape)} and {tuple(b.shape)}")
+    if pad_inner and a.shape[1] % _ALIGN:
+        a, b = _pad_last(a, _ALIGN), _pad_last(b, _ALIGN)
+    k, n = a.shape[1], b.shape[0]
+    if k % _ALIGN:
+        raise ValueError(f"FP8 GEMM inner dim K={k} is not a multiple of 16; pad the feature dim to a multiple of 16")
+    if n % _ALIGN:
+        raise ValueError(f"FP8 GEMM output dim N={n} is not a multiple of 16; pad the feature dim to a multiple of 16")
+    fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+    out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv.reshape(()), scale_b=b_scale_inv.reshape(()),
+                           bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    if bias is not None and not fused_bias:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, bias=None, use_fast_accum=False,
+             transpose_a: bool = False, transpose_b: bool = False, pad_inner: bool = False) -> torch.Tensor:
+    """:func:`fp8_mm` on :class:`Float8Tensor` operands viewed as 2-D; ``transpose_a``/``transpose_b`` take their
+    transposed FP8 copies (``Float8Tensor.transpose_2d``)."""
+    a_data = a.transpose_2d() if transpose_a else a.data.reshape(-1, a.data.shape[-1])
+    b_data = b.transpose_2d() if transpose_b else b.data.reshape(-1, b.data.shape[-1])
+    return fp8_mm(a_data, a.scale_inv, b_data, b.scale_inv, out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+                  pad_inner=pad_inner)

@@ -1,0 +1,88 @@
+"""The FP8 linear op: one ``autograd.Function`` around the three GEMMs.
+
+- fprop: ``y  = x  @ w.T``   (E4M3 x E4M3 under HYBRID, fast accumulation)
+- dgrad: ``dx = dy @ w``     (E5M2 grad x E4M3 weight)
+- wgrad: ``dw = dy.T @ x``   (E5M2 grad x E4M3 input)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.state import ScalingState
+from fp8engine.ops.cast import FP8Plan, cast_operand
+from fp8engine.ops.gemm import fp8_gemm
+
+__all__ = ["fp8_linear", "LINEAR_ROLES", "accumulate_wgrad"]
+
+#: Rows of a Linear's :class:`ScalingState`.
+LINEAR_ROLES = ("input", "weight", "grad_output")
+_INPUT, _WEIGHT, _GRAD = 0, 1, 2
+
+
+def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
+    """Add ``dw`` into the fp32 ``weight.main_grad`` the user allocated (``fuse_wgrad_accumulation``)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise ValueError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 tensor shaped like the "
+                         "weight) to be allocated before backward")
+    main_grad.add_(dw)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, state: ScalingState,
+                plan: FP8Plan, fuse_wgrad: bool):
+        y = fp8_gemm(x_fp8, w_fp8, x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
+        ctx.save_for_backward(weight)
+        ctx.x_fp8, ctx.w_fp8, ctx.state, ctx.plan, ctx.fuse_wgrad = x_fp8, w_fp8, state, plan, fuse_wgrad
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        (weight,) = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dy_fp8 = cast_operand(dy2d, ctx.state, _GRAD, ctx.plan, grad=True, transpose=need_dw or ctx.fuse_wgrad)
+        dx = dw = db = None
+        if need_dx:  # dgrad: dx = dy @ w
+            dx = fp8_gemm(dy_fp8, ctx.w_fp8, dy.dtype, transpose_b=True).reshape(ctx.x_shape)
+        if need_dw or ctx.fuse_wgrad:  # wgrad: dw = dy.T @ x (token dim zero-padded to a multiple of 16)
+            out_dtype = torch.float32 if ctx.fuse_wgrad else weight.dtype
+            dw = fp8_gemm(dy_fp8, ctx.x_fp8, out_dtype, transpose_a=True, transpose_b=True, pad_inner=True)
+            if ctx.fuse_wgrad:
+                accumulate_wgrad(weight, dw)
+                dw = None
+        if need_db:
+            db = dy2d.sum(0, dtype=torch.float32).to(weight.dtype)
+        ctx.x_fp8 = ctx.w_fp8 = None
+        return dx, dw, db, None, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: ScalingState,
+               plan: FP8Plan, *, w_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
+               x_fp8: Optional[Float8Tensor] = None) -> torch.Tensor:
+    """FP8 ``x @ weight.T + bias`` with gradients.
+
+    Args:
+        x: ``[*, K]`` high precision; output ``[*, N]`` in ``x.dtype``.
+        weight: ``[N, K]``. bias: ``[N]`` or None. K and N multiples of 16.
+        state: the module's :class:`ScalingState` with rows ``LINEAR_ROLES``.
+        w_fp8: an already cast weight (FP8 weight caching across micro-batches); cast now when None.
+        x_fp8: an already cast input (e.g. written by a fused norm kernel); cast now when None.
+        fuse_wgrad: accumulate wgrad into ``weight.main_grad`` (fp32); ``weight.grad`` stays None.
+    """
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if x_fp8 is None:
+        x_fp8 = cast_operand(x.reshape(-1, x.shape[-1]), state, _INPUT, plan, transpose=needs_grad)
+    if w_fp8 is None:
+        w_fp8 = cast_weight(weight, state, plan, transpose=needs_grad)
+    return _FP8Linear.apply(x, weight, bias, x_fp8, w_fp8, state, plan, fuse_wgrad)
+
+
+def cast_weight(weight: torch.Tensor, state: ScalingState, plan: FP8Plan, *, transpose: bool = True) -> Float8Tensor:
+    """Cast a weight ``[N, K]`` (row ``"weight"``), with its transpose for dgrad when ``transpose``."""
+    return cast_operand(weight, state, _WEIGHT, plan, transpose=transpose)
