@@ -43,7 +43,10 @@ def compute_amax(amax_history: torch.Tensor, amax_compute_algo: Union[str, Calla
 def scale_from_amax(amax: torch.Tensor, fp8_max, scale: torch.Tensor, margin: float = 0) -> torch.Tensor:
     """``sf = (fp8_max / amax) / 2**margin``; where amax <= 0 or amax is inf/NaN the previous ``scale`` is kept."""
     amax = amax.float()
-    sf = (fp8_max / amax) / (2.0**margin)
+    # A true float32 division (a Python-scalar numerator would make torch compute reciprocal(amax) * fp8_max,
+    # which rounds differently).
+    fp8_max = torch.as_tensor(fp8_max, dtype=torch.float32, device=amax.device)
+    sf = torch.div(fp8_max, amax) / (2.0**margin)
     keep = ~torch.isfinite(amax) | (amax <= 0) | ~torch.isfinite(sf)
     return torch.where(keep, scale, sf)
 

@@ -1,0 +1,19 @@
+"""Shared test helpers: devices to run on and the SQNR metric."""
+import pytest
+import torch
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20*log10(||ref|| / ||ref - actual||) (torchao's metric)."""
+    ref, actual = ref.double(), actual.double()
+    noise = (ref - actual).norm()
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(ref.norm() / noise))
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)

@@ -1,0 +1,84 @@
+"""The delayed-scaling rule, exactly (rtol=0, atol=0): it is pure arithmetic on a few floats."""
+import math
+
+import pytest
+import torch
+
+import fp8engine as fe
+from fp8engine.fp8.scaling import update_amax_history, update_fp8_scale
+from fp8engine.fp8.state import ScalingState, reduce_and_update
+
+
+def test_history_roll_by_hand():
+    h = torch.tensor([[5.0, 1.0, 2.0, 3.0]])
+    assert torch.equal(update_amax_history(h), torch.tensor([[0.0, 2.0, 3.0, 5.0]]))
+
+
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_scale_by_hand_max_and_most_recent(margin):
+    h = torch.tensor([[2.0, 8.0, 1.0], [4.0, 0.5, 0.25]])
+    scale = torch.tensor([1.0, 1.0])
+    s, s_inv = update_fp8_scale(h, scale, 448.0, margin=margin, amax_compute_algo="max")
+    expect = torch.tensor([448.0 / 8.0, 448.0 / 4.0]) / 2**margin
+    torch.testing.assert_close(s, expect, rtol=0, atol=0)
+    torch.testing.assert_close(s_inv, 1 / expect, rtol=0, atol=0)
+    s, _ = update_fp8_scale(h, scale, 448.0, margin=margin, amax_compute_algo="most_recent")
+    torch.testing.assert_close(s, torch.tensor([448.0 / 2.0, 448.0 / 4.0]) / 2**margin, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [0.0, math.inf, math.nan, -1.0])
+def test_unusable_amax_keeps_previous_scale(bad):
+    h = torch.tensor([[bad, 0.0], [3.0, 1.0]]) if bad != -1.0 else torch.tensor([[0.0, 0.0], [3.0, 1.0]])
+    prev = torch.tensor([7.0, 9.0])
+    s, s_inv = update_fp8_scale(h, prev, 57344.0, amax_compute_algo="most_recent")
+    assert s[0] == 7.0 and s_inv[0] == torch.tensor(7.0).reciprocal()
+    assert s[1] == torch.tensor(57344.0) / torch.tensor(3.0)  # float32 arithmetic
+
+
+def test_callable_algo():
+    h = torch.tensor([[2.0, 6.0]])
+    s, _ = update_fp8_scale(h, torch.ones(1), 448.0, amax_compute_algo=lambda x: x.mean(-1))
+    assert s.item() == 448.0 / 4.0
+
+
+def _record(state, values):
+    state.amax_history[:, 0] = torch.maximum(state.amax_history[:, 0], torch.tensor(values))
+
+
+def test_interval_records_every_step_updates_every_k():
+    recipe = fe.DelayedScaling(interval=2, amax_history_len=4, amax_compute_algo="most_recent")
+    st = ScalingState(("input", "weight", "grad_output"), amax_history_len=4)
+    scales = []
+    for step, amax in enumerate([1.0, 2.0, 4.0, 8.0]):
+        _record(st, [amax, amax, amax])
+        reduce_and_update([st], recipe)
+        scales.append(st.scale.clone())
+        assert st.amax_history[0, -1] == amax  # recorded (rolled to the end) on every step
+    fwd, bwd = 448.0, 57344.0
+    assert torch.equal(scales[0], torch.tensor([fwd / 1, fwd / 1, bwd / 1]))
+    assert torch.equal(scales[1], scales[0])  # step 1: interval skips the recompute
+    assert torch.equal(scales[2], torch.tensor([fwd / 4, fwd / 4, bwd / 4]))
+    assert torch.equal(scales[3], scales[2])
+
+
+def test_history_length_window():
+    recipe = fe.DelayedScaling(amax_history_len=2, amax_compute_algo="max", fp8_format=fe.Format.E4M3)
+    st = ScalingState(("input",), amax_history_len=2)
+    out = []
+    for amax in [8.0, 1.0, 1.0, 1.0]:
+        _record(st, [amax])
+        reduce_and_update([st], recipe)
+        out.append(st.scale.item())
+    # Window of 2 (ring): the 8.0 stays visible for two updates, then drops out.
+    assert out == [448.0 / 8, 448.0 / 8, 448.0 / 1, 448.0 / 1]
+
+
+def test_nan_amax_never_overwrites_good_scale():
+    recipe = fe.DelayedScaling(amax_history_len=1, fp8_format=fe.Format.E4M3)
+    st = ScalingState(("input",), amax_history_len=1)
+    _record(st, [2.0])
+    reduce_and_update([st], recipe)
+    good = st.scale.clone()
+    st.amax_history[0, 0] = float("nan")
+    reduce_and_update([st], recipe)
+    assert torch.equal(st.scale, good)
