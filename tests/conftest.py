@@ -7,7 +7,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 20*log10(||ref|| / ||ref - actual||) (torchao's metric)."""
-    ref, actual = ref.double(), actual.double()
+    ref, actual = ref.detach().double(), actual.detach().double()
     noise = (ref - actual).norm()
     if noise == 0:
         return float("inf")

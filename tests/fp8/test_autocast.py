@@ -1,0 +1,71 @@
+import contextvars
+
+import pytest
+import torch
+
+import fp8engine as fe
+from fp8engine.fp8.autocast import get_fp8_context
+
+
+def test_nesting_restores_outer():
+    assert fe.get_fp8_recipe() is None
+    outer, inner = fe.DelayedScaling(margin=1), fe.CurrentScaling()
+    with fe.fp8_autocast(fp8_recipe=outer):
+        assert fe.get_fp8_recipe() is outer
+        with fe.autocast(recipe=inner):
+            assert fe.get_fp8_recipe() is inner
+            with fe.autocast(enabled=False):
+                assert fe.get_fp8_recipe() is None
+            assert fe.get_fp8_recipe() is inner
+        assert fe.get_fp8_recipe() is outer
+    assert fe.get_fp8_recipe() is None
+
+
+def test_default_recipe_is_delayed_scaling():
+    with fe.autocast():
+        assert fe.get_fp8_recipe() == fe.DelayedScaling()
+
+
+def test_context_is_per_context_not_global():
+    seen = []
+    with fe.autocast():
+        # A fresh contextvars context (e.g. another thread or task) does not inherit ours.
+        contextvars.Context().run(lambda: seen.append(fe.get_fp8_recipe()))
+    assert seen == [None]
+
+
+def test_exception_restores_and_skips_update():
+    lin = fe.Linear(16, 16)
+    with pytest.raises(RuntimeError):
+        with fe.autocast():
+            lin(torch.randn(4, 16))
+            raise RuntimeError("boom")
+    assert get_fp8_context() is None
+    assert torch.equal(lin.fp8_state.scale, torch.ones(3))  # no update from a failed region
+
+
+def test_bad_recipe_type():
+    with pytest.raises(TypeError, match="DelayedScaling"):
+        with fe.autocast(recipe="hybrid"):
+            pass
+
+
+def test_delayed_vs_current_on_a_range_jump():
+    """Delayed scaling uses past amaxes: after a 100x range jump its first cast saturates; current scaling adapts."""
+    torch.manual_seed(0)
+    small, big = torch.randn(64, 32), torch.randn(64, 32) * 100
+    st_lin = fe.Linear(32, 16)
+    recipe = fe.DelayedScaling(fp8_format=fe.Format.E4M3, amax_history_len=1)
+    with fe.autocast(recipe=recipe):
+        st_lin(small)
+    assert st_lin.fp8_state.scale[0] == 448.0 / small.abs().max()
+    from fp8engine.ops.cast import begin_fp8, cast_operand
+
+    with fe.autocast(recipe=recipe) as ctx:
+        q_delayed = cast_operand(big, st_lin.fp8_state, 0, begin_fp8(st_lin.fp8_state, ctx))
+    with fe.autocast(recipe=fe.CurrentScaling(fe.Format.E4M3)) as ctx:
+        q_current = cast_operand(big, st_lin.fp8_state, 0, begin_fp8(st_lin.fp8_state, ctx))
+    err_delayed = (q_delayed.dequantize(torch.float32) - big).norm() / big.norm()
+    err_current = (q_current.dequantize(torch.float32) - big).norm() / big.norm()
+    assert err_current < 0.05 < err_delayed  # saturation at the stale scale costs > 5 %
+    assert st_lin.fp8_state.scale[0] == 448.0 / big.abs().max()  # and the next delayed step has adapted
