@@ -1,0 +1,170 @@
+"""``python -m fp8engine.bench layer [--tp T]``: the TransformerEngine performance guide's layer, fwd+bwd.
+
+``TransformerLayer(4096, 16384, 32)`` on ``[2048, 4, 4096]`` bf16 input, dropout 0, next to the plain PyTorch
+bf16 pre-LN block of ../shared/ANCHORS.md, and torchao.float8 (tensorwise) on that block, eager and compiled.
+With ``--tp T`` (launch with ``torchrun --nproc-per-node T``) the layer runs tensor parallel with sequence
+parallelism over T GPUs, same global batch; times are per step (every rank runs the step concurrently).
+
+FLOPs per step (fwd+bwd = 3x fwd): GEMMs ``2*t*(4*h*h + 2*h*f)`` per fwd, t = s*b tokens; causal attention
+``2*b*s*s*h`` per fwd (QK^T and PV, halved by the mask).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8engine as fe
+from fp8engine.bench.common import env_info, peak_memory_gib, print_table, time_fn, write_json
+from fp8engine.bench.torchao_ref import torchao_available, torchao_float8
+
+
+class PlainBlock(nn.Module):
+    """The plain PyTorch bf16 pre-LN GPT block of ANCHORS.md (LayerNorm, QKV, SDPA causal, proj, LayerNorm,
+    fc1, GELU(tanh), fc2; residuals; all Linears with bias). Input/output ``[s, b, h]``."""
+
+    def __init__(self, h: int, f: int, heads: int, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h, **kw), nn.LayerNorm(h, **kw)
+        self.qkv, self.proj = nn.Linear(h, 3 * h, **kw), nn.Linear(h, h, **kw)
+        self.fc1, self.fc2 = nn.Linear(h, f, **kw), nn.Linear(f, h, **kw)
+
+    def forward(self, x):
+        s, b, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.heads, h // self.heads).permute(2, 1, 3, 0, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+def layer_flops(s: int, b: int, h: int, f: int) -> float:
+    t = s * b
+    return 3.0 * (2.0 * t * (4 * h * h + 2 * h * f) + 2.0 * b * s * s * h)
+
+
+def gemm_rows(s: int, b: int, h: int, f: int, tp: int, device: str, iters: int) -> list[dict]:
+    """Each of the layer's 12 FP8 GEMMs on pre-quantized operands (per rank shapes), with TFLOP/s."""
+    from fp8engine.ops.gemm import fp8_mm
+
+    t = s * b
+    rows = []
+    shapes = {"qkv": (h, 3 * h // tp), "proj": (h // tp, h), "fc1": (h, f // tp), "fc2": (f // tp, h)}
+    one = torch.ones(1, device=device)
+    for name, (k, n) in shapes.items():
+        x = torch.randn(t, k, device=device).to(torch.float8_e4m3fn)
+        w = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
+        dy = torch.randn(t, n, device=device).to(torch.float8_e5m2)
+        w_t, dy_t, x_t = w.t().contiguous(), dy.t().contiguous(), x.t().contiguous()
+        for gemm, fn in (("fprop", lambda: fp8_mm(x, one, w, one, torch.bfloat16, use_fast_accum=True)),
+                         ("dgrad", lambda: fp8_mm(dy, one, w_t, one, torch.bfloat16)),
+                         ("wgrad", lambda: fp8_mm(dy_t, one, x_t, one, torch.bfloat16))):
+            ms = time_fn(fn, warmup=3, iters=iters, device=device)
+            rows.append({"gemm": f"{name} {gemm}", "ms": ms, "TFLOP/s": 2.0 * t * k * n / ms / 1e9})
+    return rows
+
+
+def _step(model, x, dy, recipe, amax_group=None):
+    def run():
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+        if recipe is None:
+            y = model(x)
+        else:
+            with fe.autocast(recipe=recipe, amax_group=amax_group):
+                y = model(x)
+        y.backward(dy)
+    return run
+
+
+def _ours(h, f, heads, device, tp_group=None):
+    from fp8engine.modules.transformer import TransformerLayer
+
+    kw = dict(set_parallel_mode=True, tp_group=tp_group, sequence_parallel=True) if tp_group is not None else {}
+    return TransformerLayer(h, f, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16,
+                            device=device, **kw)
+
+
+def run_single(args) -> list[dict]:
+    s, b, h, f, heads, dev = args.seq, args.batch, args.hidden, args.ffn, args.heads, args.device
+    torch.manual_seed(0)
+    x = torch.randn(s, b, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    plain = PlainBlock(h, f, heads, device=dev, dtype=torch.bfloat16)
+    ours = _ours(h, f, heads, dev)
+    cases = [("plain PyTorch block bf16 eager", plain, None), ("fp8engine TransformerLayer bf16", ours, None),
+             ("fp8engine TransformerLayer fp8 delayed", ours, fe.DelayedScaling()),
+             ("fp8engine TransformerLayer fp8 current", ours, fe.CurrentScaling())]
+    if not args.no_torchao and dev == "cuda" and torchao_available():
+        cases += [("torchao.float8 tensorwise eager", torchao_float8(plain), None),
+                  ("torchao.float8 tensorwise compile", torchao_float8(plain, compile=True), None)]
+    if dev == "cuda":
+        cases.append(("plain PyTorch block bf16 compile", torch.compile(plain), None))
+    rows, flops = [], layer_flops(s, b, h, f)
+    for name, model, recipe in cases:
+        peak_memory_gib(reset=True)
+        ms = time_fn(_step(model, x, dy, recipe), warmup=3, iters=args.iters, device=dev)
+        rows.append({"impl": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "peak_GiB": peak_memory_gib()})
+    return rows
+
+
+def run_tp(args) -> list[dict]:
+    import torch.distributed as dist
+
+    from fp8engine.parallel.utils import get_group_rank
+
+    tp = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    group = dist.new_group(list(range(tp)))
+    s, b, h, f, heads = args.seq, args.batch, args.hidden, args.ffn, args.heads
+    torch.manual_seed(0)
+    ours = _ours(h, f, heads, "cuda", tp_group=group)
+    x = torch.randn(s // tp, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    rows, flops = [], layer_flops(s, b, h, f)
+    for name, recipe in (("bf16", None), ("fp8 delayed", fe.DelayedScaling())):
+        peak_memory_gib(reset=True)
+        ms = time_fn(_step(ours, x, dy, recipe, amax_group=group), warmup=3, iters=args.iters)
+        rows.append({"impl": f"fp8engine TransformerLayer {name} tp={tp} sp", "ms": ms,
+                     "TFLOP/s per GPU": flops / tp / ms / 1e9, "peak_GiB": peak_memory_gib()})
+    if get_group_rank(group) == 0:
+        rows += [{"impl": r["gemm"], "ms": r["ms"], "TFLOP/s per GPU": r["TFLOP/s"]}
+                 for r in gemm_rows(s, b, h, f, tp, "cuda", args.iters)]
+    dist.destroy_process_group()
+    return rows if local == 0 else []
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fp8engine.bench layer", description=__doc__)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.tp > 1:
+        rows = run_tp(args)
+        if rows:
+            print(f"# layer tp={args.tp}  {env_info()}")
+            print_table(rows)
+            write_json(args.json, "layer_tp", rows)
+        return 0
+    print(f"# layer fwd+bwd [{args.seq}, {args.batch}, {args.hidden}] ffn {args.ffn} heads {args.heads}  {env_info()}")
+    rows = run_single(args)
+    print_table(rows)
+    if args.device == "cuda":
+        print_table(gemm_rows(args.seq, args.batch, args.hidden, args.ffn, 1, args.device, args.iters))
+    write_json(args.json, "layer", rows)
+    return 0
