@@ -1,0 +1,12 @@
+"""nn.Modules users touch: FP8 ``Linear``, norms, ``LayerNormLinear``, ``LayerNormMLP``, ``MultiheadAttention``,
+``TransformerLayer`` (TransformerEngine's names and arguments), and ``convert_to_fp8``."""
+from fp8engine.modules.attention import MultiheadAttention, RotaryEmbedding, apply_rotary_pos_emb
+from fp8engine.modules.convert import convert_to_fp8
+from fp8engine.modules.layernorm_linear import LayerNormLinear
+from fp8engine.modules.layernorm_mlp import LayerNormMLP
+from fp8engine.modules.linear import Linear
+from fp8engine.modules.norm import LayerNorm, RMSNorm
+from fp8engine.modules.transformer import TransformerLayer
+
+__all__ = ["Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "MultiheadAttention",
+           "RotaryEmbedding", "apply_rotary_pos_emb", "TransformerLayer", "convert_to_fp8"]

@@ -34,11 +34,11 @@ def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, state: ScalingState,
-                plan: FP8Plan, fuse_wgrad: bool):
+                plan: FP8Plan, fuse_wgrad: bool, grad_row: int = _GRAD):
         y = fp8_gemm(x_fp8, w_fp8, x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
         ctx.save_for_backward(weight)
         ctx.x_fp8, ctx.w_fp8, ctx.state, ctx.plan, ctx.fuse_wgrad = x_fp8, w_fp8, state, plan, fuse_wgrad
-        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        ctx.x_shape, ctx.has_bias, ctx.grad_row = x.shape, bias is not None, grad_row
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -46,7 +46,7 @@ class _FP8Linear(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dy_fp8 = cast_operand(dy2d, ctx.state, _GRAD, ctx.plan, grad=True, transpose=need_dw or ctx.fuse_wgrad)
+        dy_fp8 = cast_operand(dy2d, ctx.state, ctx.grad_row, ctx.plan, grad=True, transpose=need_dw or ctx.fuse_wgrad)
         dx = dw = db = None
         if need_dx:  # dgrad: dx = dy @ w
             dx = fp8_gemm(dy_fp8, ctx.w_fp8, dy.dtype, transpose_b=True).reshape(ctx.x_shape)
@@ -59,12 +59,13 @@ class _FP8Linear(torch.autograd.Function):
         if need_db:
             db = dy2d.sum(0, dtype=torch.float32).to(weight.dtype)
         ctx.x_fp8 = ctx.w_fp8 = None
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: ScalingState,
                plan: FP8Plan, *, w_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
-               x_fp8: Optional[Float8Tensor] = None) -> torch.Tensor:
+               x_fp8: Optional[Float8Tensor] = None, rows: tuple[int, int, int] = (_INPUT, _WEIGHT, _GRAD)
+               ) -> torch.Tensor:
     """FP8 ``x @ weight.T + bias`` with gradients.
 
     Args:
@@ -74,13 +75,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         w_fp8: an already cast weight (FP8 weight caching across micro-batches); cast now when None.
         x_fp8: an already cast input (e.g. written by a fused norm kernel); cast now when None.
         fuse_wgrad: accumulate wgrad into ``weight.main_grad`` (fp32); ``weight.grad`` stays None.
+        rows: the ``state`` rows of (input, weight, grad_output); a module with several GEMMs in one
+            :class:`ScalingState` (e.g. LayerNormMLP's fc1 and fc2) passes its own.
     """
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if x_fp8 is None:
-        x_fp8 = cast_operand(x.reshape(-1, x.shape[-1]), state, _INPUT, plan, transpose=needs_grad)
+        x_fp8 = cast_operand(x.reshape(-1, x.shape[-1]), state, rows[0], plan, transpose=needs_grad)
     if w_fp8 is None:
-        w_fp8 = cast_weight(weight, state, plan, transpose=needs_grad)
-    return _FP8Linear.apply(x, weight, bias, x_fp8, w_fp8, state, plan, fuse_wgrad)
+        w_fp8 = cast_operand(weight, state, rows[1], plan, transpose=needs_grad)
+    return _FP8Linear.apply(x, weight, bias, x_fp8, w_fp8, state, plan, fuse_wgrad, rows[2])
 
 
 def cast_weight(weight: torch.Tensor, state: ScalingState, plan: FP8Plan, *, transpose: bool = True) -> Float8Tensor:

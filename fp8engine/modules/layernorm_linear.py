@@ -1,0 +1,233 @@
+"""``LayerNormLinear``: a norm whose output feeds an FP8 GEMM (cast once, by the norm op), optionally
+column-parallel; plus the small tensor-parallel helpers the other layers share.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019; sequence parallelism, Korthikanti et al. 2022): a
+column-parallel GEMM splits its output features over the ``tp_group`` ranks, a row-parallel GEMM its input
+features (its bias is added after the reduction). ``fp8engine.parallel`` is imported only when a ``tp_group`` is
+given, so the single-process path never touches ``torch.distributed``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8engine.modules.base import FP8Module
+from fp8engine.modules.linear import _HighPrecisionMainGrad, default_init
+from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
+from fp8engine.ops.norm_linear import NORMALIZATIONS, norm, norm_cast
+
+__all__ = ["LayerNormLinear"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensor-parallel helpers shared by LayerNormLinear, LayerNormMLP and MultiheadAttention.
+
+def tp_size_rank(tp_group) -> tuple[int, int]:
+    """``(size, rank)`` of ``tp_group``; ``(1, 0)`` for None without importing torch.distributed."""
+    if tp_group is None:
+        return 1, 0
+    from fp8engine.parallel.utils import get_group_rank, get_group_size
+
+    return get_group_size(tp_group), get_group_rank(tp_group)
+
+
+def check_divisible(what: str, value: int, tp_size: int, owner: str) -> int:
+    """``value // tp_size``, or ``ValueError`` saying what to change."""
+    if value % tp_size:
+        raise ValueError(f"{owner}: {what}={value} is not divisible by the tensor-parallel size {tp_size}; "
+                         f"choose {what} as a multiple of {tp_size} or a smaller tp_group")
+    return value // tp_size
+
+
+def check_choice(what: str, value, choices: Sequence, owner: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}: unknown {what}={value!r}; use one of {tuple(choices)}")
+
+
+def enter_column_parallel(x: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
+    """Input of a column-parallel GEMM: all-gather the sequence shards ``[s/tp, ...] -> [s, ...]`` (sequence
+    parallel; backward reduce-scatter) or an identity whose backward all-reduces the gradient."""
+    if tp_group is None:
+        return x
+    from fp8engine.parallel import mappings
+
+    if sequence_parallel:
+        return mappings.gather_from_sequence_parallel_region(x, tp_group)
+    return mappings.copy_to_tensor_model_parallel_region(x, tp_group)
+
+
+def exit_row_parallel(y: torch.Tensor, bias: Optional[torch.Tensor], tp_group, sequence_parallel: bool
+                      ) -> torch.Tensor:
+    """Output of a row-parallel GEMM: sum the partial results over ranks (reduce-scatter to ``[s/tp, ...]`` when
+    sequence parallel, else all-reduce), then add the (full, unsharded) bias."""
+    if tp_group is not None:
+        from fp8engine.parallel import mappings
+
+        if sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_parallel_region(y, tp_group)
+        else:
+            y = mappings.reduce_from_tensor_model_parallel_region(y, tp_group)
+    return y if bias is None else y + bias
+
+
+def master_weight(out_features: int, in_features: int, bias: bool, init_method: Optional[Callable]
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The full (unsharded) fp32 CPU weight ``[out, in]`` and bias ``[out]`` drawn from the current CPU RNG
+    (Megatron's ``_initialize_affine_weight_cpu``): every rank draws the same master and keeps its slice, so a
+    sharded layer equals the slices of the unsharded layer built with the same seed. ``init_method=None``:
+    ``torch.nn.Linear``'s initialisation (bias included); else ``init_method(weight)`` and a zero bias."""
+    w = torch.empty(out_features, in_features, dtype=torch.float32)
+    b = torch.empty(out_features, dtype=torch.float32) if bias else None
+    if init_method is None:
+        default_init(w, b)
+    else:
+        init_method(w)
+        if b is not None:
+            b.zero_()
+    return w, b
+
+
+def shard(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's part of ``t`` along ``dim``: ``t`` is cut into ``segments`` (sizes), each segment into
+    ``tp_size`` equal chunks, and chunk ``rank`` of every segment is concatenated (e.g. swiglu's ``[gate | up]``
+    gives each rank ``[gate_r | up_r]``)."""
+    if tp_size == 1:
+        return t
+    return torch.cat([seg.chunk(tp_size, dim)[rank] for seg in t.split(list(segments), dim)], dim)
+
+
+def new_param(t: torch.Tensor, dtype, device) -> nn.Parameter:
+    return nn.Parameter(t.to(dtype=dtype, device=device).contiguous())
+
+
+def no_init(_weight: torch.Tensor) -> None:
+    """An ``init_method`` that leaves the weight alone (the caller copies a master slice in afterwards)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+class LayerNormLinear(FP8Module):
+    """``y = norm(x) @ weight.T + bias``; inside :func:`fp8engine.autocast` the norm op writes its output in FP8
+    directly for the GEMM (state rows ``("input", "weight", "grad_output")``, input = the norm output).
+
+    Outside autocast it equals ``F.linear(F.layer_norm(x, ...), weight, bias)`` (or ``F.rms_norm``) bit for bit.
+
+    Args:
+        in_features, out_features: ``K`` (normalised dim) and ``N``; multiples of 16 for FP8.
+        bias: learnable ``[N]`` bias. normalization: ``"LayerNorm"`` or ``"RMSNorm"`` (``None``: no norm, used by
+            MultiheadAttention(input_layernorm=False)). eps: added to the variance.
+        return_layernorm_output: forward returns ``(y, norm(x))``.
+        zero_centered_gamma: the norm weight stores ``gamma - 1`` (see :class:`fp8engine.modules.LayerNorm`).
+        params_dtype, device: of parameters and state. init_method: ``fn(weight)``, applied to the full
+            ``[N, K]`` master weight on CPU (bias then zero); default ``torch.nn.Linear``'s initialisation.
+        fuse_wgrad_accumulation: GEMM weight gradients go to an fp32 ``main_grad`` the user allocates on every
+            GEMM weight (``weight.grad`` stays None); norm parameters and biases keep ``.grad``.
+        tp_group, parallel_mode: ``"column"`` with a group splits ``N`` over its ranks (local weight
+            ``[N/tp, K]``); the input is all-gathered along the sequence (``sequence_parallel``, input
+            ``[s/tp, b, K]``) or copied (input ``[s, b, K]``), the output is ``[s, b, N/tp]``.
+        parameters_split: ``{prefix: rows}`` to keep the weight as several parameters ``{prefix}weight`` /
+            ``{prefix}bias`` (e.g. query/key/value), concatenated in forward; each part is sharded on its own.
+        row_order: internal (MultiheadAttention): a permutation applied to the master weight's rows before it
+            is split and sharded, so differently laid-out layers draw the same values from the same seed.
+    Raises:
+        ValueError: unknown normalization/parallel_mode, tp size not dividing a split, fused wgrad with a split
+            weight.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: Optional[str] = "LayerNorm",
+                 eps: float = 1e-5, return_layernorm_output: bool = False, zero_centered_gamma: bool = False,
+                 params_dtype=None, device=None, init_method: Optional[Callable] = None,
+                 fuse_wgrad_accumulation: bool = False, tp_group=None, parallel_mode: Optional[str] = None,
+                 sequence_parallel: bool = False, parameters_split: Optional[dict] = None,
+                 row_order: Optional[torch.Tensor] = None):
+        name = type(self).__name__
+        if normalization is not None:
+            check_choice("normalization", normalization, NORMALIZATIONS, name)
+        check_choice("parallel_mode", parallel_mode, (None, "column"), name)
+        if tp_group is not None and parallel_mode != "column":
+            raise ValueError(f"{name}: tp_group needs parallel_mode='column' (the only split LayerNormLinear has)")
+        split = dict(parameters_split or {"": out_features})
+        if sum(split.values()) != out_features:
+            raise ValueError(f"{name}: parameters_split sizes {split} do not add up to out_features={out_features}")
+        if fuse_wgrad_accumulation and len(split) > 1:
+            raise ValueError(f"{name}: fuse_wgrad_accumulation needs one weight parameter; drop parameters_split "
+                             "(fuse_qkv_params=True in MultiheadAttention)")
+        tp_size, rank = tp_size_rank(tp_group if parallel_mode == "column" else None)
+        local = {prefix: check_divisible(f"{prefix}out_features", n, tp_size, name) for prefix, n in split.items()}
+        local_out = sum(local.values())
+        super().__init__(LINEAR_ROLES, [(in_features, local_out)], device=device)
+        self.in_features, self.out_features = in_features, local_out
+        self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.tp_group = tp_group if tp_size > 1 else None
+        self.sequence_parallel = sequence_parallel and self.tp_group is not None
+        dtype = params_dtype or torch.get_default_dtype()
+        self._rms = normalization == "RMSNorm"
+        self.layer_norm_weight = self.layer_norm_bias = None
+        if normalization is not None:
+            init = torch.zeros if zero_centered_gamma else torch.ones
+            self.layer_norm_weight = nn.Parameter(init(in_features, dtype=dtype, device=device))
+            if not self._rms:
+                self.layer_norm_bias = nn.Parameter(torch.zeros(in_features, dtype=dtype, device=device))
+            for p in (self.layer_norm_weight, self.layer_norm_bias):
+                if p is not None:  # partial gradients per sequence shard: all-reduce them over tp_group
+                    p.sequence_parallel = self.sequence_parallel
+        w, b = master_weight(out_features, in_features, bias, init_method)
+        if row_order is not None:
+            w, b = w[row_order], (None if b is None else b[row_order])
+        w, b = w.split(list(split.values())), (b.split(list(split.values())) if bias else [None] * len(split))
+        self._weight_names, self._bias_names = [], []
+        for (prefix, _), wp, bp in zip(split.items(), w, b):
+            self.register_parameter(f"{prefix}weight", new_param(shard(wp, 0, [wp.shape[0]], rank, tp_size),
+                                                                  dtype, device))
+            self._weight_names.append(f"{prefix}weight")
+            if bias:
+                self.register_parameter(f"{prefix}bias", new_param(shard(bp, 0, [bp.shape[0]], rank, tp_size),
+                                                                    dtype, device))
+                self._bias_names.append(f"{prefix}bias")
+        if not bias:
+            self.bias = None
+
+    def _weight_bias(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if len(self._weight_names) == 1:
+            return getattr(self, self._weight_names[0]), (getattr(self, self._bias_names[0]) if self._bias_names
+                                                          else None)
+        w = torch.cat([getattr(self, n) for n in self._weight_names])
+        b = torch.cat([getattr(self, n) for n in self._bias_names]) if self._bias_names else None
+        return w, b
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """``x``: ``[s, b, K]`` (``[s/tp, b, K]`` when sequence parallel) -> ``[s, b, N_local]``, or
+        ``(y, norm(x))`` with ``return_layernorm_output``. ``is_first_microbatch``: FP8 weight caching
+        (see :class:`fp8engine.modules.base.FP8WeightCache`)."""
+        plan = self.fp8_begin()
+        weight, bias = self._weight_bias()
+        ln_fp8 = None
+        if self.normalization is None:
+            ln = x
+        elif plan is None or self.sequence_parallel:  # sequence parallel: cast after the all-gather
+            ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                      zero_centered_gamma=self.zero_centered_gamma)
+        else:
+            ln, ln_fp8 = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                                   zero_centered_gamma=self.zero_centered_gamma, state=self.fp8_state, row=0,
+                                   plan=plan, transpose=torch.is_grad_enabled())
+        total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
+        if plan is None:
+            if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+                out = _HighPrecisionMainGrad.apply(total, weight, bias)
+            else:
+                out = F.linear(total, weight, bias)
+        else:
+            w_fp8 = self.fp8_weight("weight", weight, "weight", plan, is_first_microbatch)
+            out = fp8_linear(total, weight, bias, self.fp8_state, plan, w_fp8=w_fp8, x_fp8=ln_fp8,
+                             fuse_wgrad=self.fuse_wgrad_accumulation)
+        return (out, ln) if self.return_layernorm_output else out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local), "
+                f"normalization={self.normalization}, tp={self.tp_group is not None}")

@@ -1,0 +1,131 @@
+"""``LayerNormMLP``: norm -> fc1 -> activation -> fc2, both GEMMs in FP8 inside autocast, optionally tensor
+parallel (fc1 column-parallel, fc2 row-parallel; Megatron-LM's MLP)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fp8engine.modules.base import FP8Module
+from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
+                                                exit_row_parallel, master_weight, new_param, shard, tp_size_rank)
+from fp8engine.modules.linear import _HighPrecisionMainGrad
+from fp8engine.ops.linear import fp8_linear
+from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, activation, activation_cast
+from fp8engine.ops.norm_linear import NORMALIZATIONS, norm, norm_cast
+
+__all__ = ["LayerNormMLP"]
+
+_FC1_ROWS, _FC2_ROWS = (0, 1, 2), (3, 4, 5)
+
+
+class LayerNormMLP(FP8Module):
+    """``y = fc2(act(fc1(norm(x))))`` with TransformerEngine's parameter names (``layer_norm_weight``,
+    ``layer_norm_bias``, ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias``).
+
+    Inside :func:`fp8engine.autocast` the norm writes fc1's FP8 input and the activation writes fc2's FP8 input;
+    one :class:`ScalingState` holds rows ``MLP_ROLES`` (fc1 input/weight/grad_output, then fc2's). Outside autocast
+    it is plain PyTorch (``F.layer_norm``/``F.rms_norm``, ``F.linear``, the activation), bit for bit.
+
+    Args:
+        hidden_size: ``h``; ffn_hidden_size: ``F`` (both multiples of 16 for FP8, ``F/tp`` too).
+        activation: ``"gelu"`` (tanh approximation), ``"relu"`` or ``"swiglu"`` (fc1 then has ``2F`` outputs,
+            ``[gate | up]``, and the activation is ``silu(gate) * up``).
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``. bias: fc1/fc2 biases. eps: norm epsilon.
+        return_layernorm_output: forward returns ``(y, norm(x))``. zero_centered_gamma: norm weight = gamma - 1.
+        params_dtype, device: of parameters and state.
+        init_method, output_layer_init_method: ``fn(weight)`` for the full fc1 / fc2 master weights (built on CPU
+            from the current RNG, then sliced per rank); default ``torch.nn.Linear``'s initialisation.
+        fuse_wgrad_accumulation: fc1/fc2 weight gradients go to fp32 ``main_grad`` (``.grad`` stays None).
+        tp_group, set_parallel_mode: with both, fc1 is column-parallel (local ``[F/tp (x2 for swiglu), h]``, each
+            rank keeps matching gate/up halves) and fc2 row-parallel (local ``[h, F/tp]``, bias added after the
+            reduction). sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
+    Raises:
+        ValueError: unknown activation/normalization, or the tp size does not divide ``F``.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu",
+                 normalization: str = "LayerNorm", bias: bool = True, eps: float = 1e-5,
+                 return_layernorm_output: bool = False, zero_centered_gamma: bool = False, params_dtype=None,
+                 device=None, init_method: Optional[Callable] = None,
+                 output_layer_init_method: Optional[Callable] = None, fuse_wgrad_accumulation: bool = False,
+                 tp_group=None, sequence_parallel: bool = False, set_parallel_mode: bool = False):
+        name = type(self).__name__
+        check_choice("activation", activation, tuple(ACTIVATIONS), name)
+        check_choice("normalization", normalization, NORMALIZATIONS, name)
+        tp_size, rank = tp_size_rank(tp_group if set_parallel_mode else None)
+        ffn_local = check_divisible("ffn_hidden_size", ffn_hidden_size, tp_size, name)
+        width = ACTIVATIONS[activation]
+        super().__init__(MLP_ROLES, [(hidden_size, width * ffn_local), (ffn_local, hidden_size)], device=device)
+        self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_local, activation
+        self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.tp_group = tp_group if tp_size > 1 else None
+        self.sequence_parallel = sequence_parallel and self.tp_group is not None
+        self._rms = normalization == "RMSNorm"
+        dtype = params_dtype or torch.get_default_dtype()
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.layer_norm_weight = torch.nn.Parameter(init(hidden_size, dtype=dtype, device=device))
+        self.layer_norm_bias = None if self._rms else torch.nn.Parameter(
+            torch.zeros(hidden_size, dtype=dtype, device=device))
+        w1, b1 = master_weight(width * ffn_hidden_size, hidden_size, bias, init_method)
+        w2, b2 = master_weight(hidden_size, ffn_hidden_size, bias, output_layer_init_method or init_method)
+        segments = [ffn_hidden_size] * width  # swiglu: shard gate and up separately
+        self.fc1_weight = new_param(shard(w1, 0, segments, rank, tp_size), dtype, device)
+        self.fc1_bias = new_param(shard(b1, 0, segments, rank, tp_size), dtype, device) if bias else None
+        self.fc2_weight = new_param(shard(w2, 1, [ffn_hidden_size], rank, tp_size), dtype, device)
+        self.fc2_bias = new_param(b2, dtype, device) if bias else None
+        # Partial gradients per sequence shard (all-reduce them over tp_group, as Megatron does).
+        for p in (self.layer_norm_weight, self.layer_norm_bias, self.fc2_bias):
+            if p is not None:
+                p.sequence_parallel = self.sequence_parallel
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """``x``: ``[s, b, h]`` (``[s/tp, b, h]`` when sequence parallel) -> same shape, or ``(y, norm(x))`` with
+        ``return_layernorm_output``. ``is_first_microbatch``: FP8 weight caching of fc1/fc2."""
+        plan = self.fp8_begin()
+        # Row-parallel fc2 adds its bias after the reduction; unsharded, the GEMM adds it.
+        fc2_bias = self.fc2_bias if self.tp_group is None else None
+        if plan is None:
+            ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                      zero_centered_gamma=self.zero_centered_gamma)
+            h = self._hp_linear(enter_column_parallel(ln, self.tp_group, self.sequence_parallel), self.fc1_weight,
+                                self.fc1_bias)
+            y = self._hp_linear(activation(h, self.activation), self.fc2_weight, fc2_bias)
+        else:
+            y, ln = self._fp8_forward(x, plan, fc2_bias, is_first_microbatch)
+        if self.tp_group is not None:
+            y = exit_row_parallel(y, self.fc2_bias, self.tp_group, self.sequence_parallel)
+        return (y, ln) if self.return_layernorm_output else y
+
+    def _hp_linear(self, x, weight, bias):
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+            return _HighPrecisionMainGrad.apply(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def _fp8_forward(self, x, plan, fc2_bias, is_first_microbatch):
+        grad = torch.is_grad_enabled()
+        st, fuse = self.fp8_state, self.fuse_wgrad_accumulation
+        if self.sequence_parallel:  # the FP8 cast comes after the all-gather
+            ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                      zero_centered_gamma=self.zero_centered_gamma)
+            ln_fp8 = None
+        else:
+            ln, ln_fp8 = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                                   zero_centered_gamma=self.zero_centered_gamma, state=st, row=_FC1_ROWS[0],
+                                   plan=plan, transpose=grad)
+        total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
+        w1 = self.fp8_weight("fc1_weight", self.fc1_weight, "fc1_weight", plan, is_first_microbatch)
+        h = fp8_linear(total, self.fc1_weight, self.fc1_bias, st, plan, w_fp8=w1, x_fp8=ln_fp8, fuse_wgrad=fuse,
+                       rows=_FC1_ROWS)
+        a, a_fp8 = activation_cast(h, self.activation, st, _FC2_ROWS[0], plan, transpose=grad)
+        w2 = self.fp8_weight("fc2_weight", self.fc2_weight, "fc2_weight", plan, is_first_microbatch)
+        y = fp8_linear(a, self.fc2_weight, fc2_bias, st, plan, w_fp8=w2, x_fp8=a_fp8, fuse_wgrad=fuse,
+                       rows=_FC2_ROWS)
+        return y, ln
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size} (local), "
+                f"activation={self.activation}, normalization={self.normalization}, tp={self.tp_group is not None}")

@@ -1,0 +1,80 @@
+"""``TransformerLayer``: a pre-norm GPT block, ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``, every
+GEMM in FP8 inside :func:`fp8engine.autocast` (TransformerEngine's ``TransformerLayer`` subset)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8engine.modules.attention import MultiheadAttention
+from fp8engine.modules.layernorm_mlp import LayerNormMLP
+
+__all__ = ["TransformerLayer"]
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN transformer block on ``[s, b, h]``:
+
+    ``x = x + dropout(self_attention(x))`` (the attention's own input norm), then
+    ``x = x + dropout(layernorm_mlp(x))`` (the MLP's own input norm).
+
+    Args:
+        hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups: ``h``, ``F``, ``H``, ``G``.
+        layernorm_epsilon, normalization (``"LayerNorm"``/``"RMSNorm"``), zero_centered_gamma: both norms.
+        hidden_dropout: dropout on each branch before the residual add. attention_dropout: on attention probs.
+        self_attn_mask_type: ``"causal"``, ``"padding"`` or ``"no_mask"`` (see :class:`MultiheadAttention`).
+        activation: ``"gelu"``, ``"relu"`` or ``"swiglu"``.
+        params_dtype, device, init_method, output_layer_init_method (proj and fc2), fuse_qkv_params,
+            fuse_wgrad_accumulation, bias: passed to the sublayers.
+        set_parallel_mode, tp_group, sequence_parallel: tensor (and sequence) parallelism over ``tp_group``; with
+            sequence parallelism the input and output are ``[s/tp, b, h]`` and dropout + residual run on the shard.
+    Raises:
+        ValueError: an invalid combination (heads/hidden, groups/heads, tp size vs heads/groups/ffn, unknown
+            activation/normalization/mask type), naming what to change.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                 num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
+                 attention_dropout: float = 0.1, self_attn_mask_type: str = "causal",
+                 normalization: str = "LayerNorm", activation: str = "gelu", params_dtype=None, device=None,
+                 init_method: Optional[Callable] = None, output_layer_init_method: Optional[Callable] = None,
+                 fuse_qkv_params: bool = True, fuse_wgrad_accumulation: bool = False,
+                 zero_centered_gamma: bool = False, bias: bool = True, set_parallel_mode: bool = False,
+                 tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        if not 0.0 <= hidden_dropout < 1.0:
+            raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
+        common = dict(normalization=normalization, bias=bias, zero_centered_gamma=zero_centered_gamma,
+                      params_dtype=params_dtype, device=device, init_method=init_method,
+                      output_layer_init_method=output_layer_init_method,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group,
+                      sequence_parallel=sequence_parallel, set_parallel_mode=set_parallel_mode)
+        self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, num_gqa_groups,
+                                                 attn_mask_type=self_attn_mask_type,
+                                                 attention_dropout=attention_dropout,
+                                                 layernorm_epsilon=layernorm_epsilon,
+                                                 fuse_qkv_params=fuse_qkv_params, **common)
+        self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, eps=layernorm_epsilon,
+                                          **common)
+        self.hidden_dropout = hidden_dropout
+
+    def _residual(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        if self.training and self.hidden_dropout > 0:
+            branch = F.dropout(branch, self.hidden_dropout, training=True)
+        return residual + branch
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                is_first_microbatch: Optional[bool] = None,
+                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden_states``: ``[s, b, h]`` (``[s/tp, b, h]`` sequence parallel) -> same shape and dtype.
+
+        ``attention_mask``: bool ``[b, 1, 1, s]`` (True = masked out) for ``self_attn_mask_type="padding"``.
+        ``rotary_pos_emb``: ``[s, 1, 1, r]`` angles from :class:`fp8engine.modules.RotaryEmbedding` (full ``s``).
+        ``is_first_microbatch``: FP8 weight caching across micro-batches (None: cast every call).
+        """
+        attn = self.self_attention(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                   is_first_microbatch=is_first_microbatch)
+        x = self._residual(hidden_states, attn)
+        return self._residual(x, self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch))

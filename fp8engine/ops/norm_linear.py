@@ -1,0 +1,153 @@
+"""LayerNorm / RMSNorm as one autograd op, optionally writing its output in FP8 for the GEMM that follows.
+
+The norm math lives in exactly two functions, :func:`norm_fwd` and :func:`norm_bwd` (the dispatch points: the
+Triton kernels of ``fp8engine.kernels.norm`` on CUDA, PyTorch's own fused norms elsewhere). ``_NormCast`` is the
+autograd node; a norm followed by an FP8 GEMM (LayerNormLinear, LayerNormMLP) hands the FP8 output it produced to
+:func:`fp8engine.ops.linear.fp8_linear` as ``x_fp8``, so the norm output is cast once and never saved in high
+precision for backward (the node saves the norm *input*, mean and rstd; the GEMM saves the FP8 copy).
+
+Formulas (TransformerEngine / Apex): ``LayerNorm: y = (x - mean) * rstd * gamma + beta``,
+``RMSNorm: y = x * rstd * gamma``, ``rstd = 1 / sqrt(var + eps)`` (var = mean((x - mean)^2), or mean(x^2) for RMS),
+``gamma = weight`` or ``1 + weight`` with ``zero_centered_gamma``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.state import ScalingState
+from fp8engine.ops.cast import FP8Plan, cast_operand
+
+__all__ = ["norm", "norm_cast", "norm_fwd", "norm_bwd", "NORMALIZATIONS"]
+
+#: Names accepted by the ``normalization`` argument of the modules.
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+_HAS_FUSED_RMS = hasattr(torch, "_fused_rms_norm")  # torch >= 2.8: the kernel F.rms_norm runs
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return False
+    from fp8engine.kernels import kernels_available
+
+    return kernels_available(x.device)
+
+
+def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
+    return weight + 1 if zero_centered_gamma else weight
+
+
+def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
+             zero_centered_gamma: bool, fp8: Optional[tuple] = None):
+    """Normalise the last dim of ``x`` and, with ``fp8 = (state, row, plan, transpose)``, cast the result.
+
+    Args:
+        x: ``[..., N]`` float32/bfloat16/float16. weight, bias: ``[N]`` (bias None for RMSNorm).
+        fp8: where the FP8 output's scale/amax live (``state`` row ``row``, see :func:`cast_operand`) and whether
+            to also make its transpose (for wgrad).
+    Returns:
+        ``(y [..., N] in x.dtype, y_fp8 Float8Tensor [M, N] or None, mean or None, rstd)``; mean/rstd are opaque
+        to callers (only :func:`norm_bwd` reads them; their layout depends on the path taken).
+    """
+    if _use_kernels(x):  # Triton: normalisation and FP8 cast (delayed scaling) in one pass over x
+        from fp8engine.kernels import norm as kn
+
+        x = x.contiguous()
+        delayed = fp8 is not None and fp8[2].delayed
+        scale = fp8_dtype = amax_out = None
+        if delayed:
+            state, row, plan, _ = fp8
+            scale, fp8_dtype = state.scale[row:row + 1], plan.fwd_dtype
+            amax_out = state.amax_history[row, 0:1] if plan.record_amax else None
+        if rms:
+            y, y8, scale_inv, rstd = kn.rmsnorm_fwd(x, weight, eps, zero_centered_gamma=zero_centered_gamma,
+                                                    scale=scale, fp8_dtype=fp8_dtype, amax_out=amax_out)
+            mean = None
+        else:
+            y, y8, scale_inv, mean, rstd = kn.layernorm_fwd(x, weight, bias, eps,
+                                                            zero_centered_gamma=zero_centered_gamma, scale=scale,
+                                                            fp8_dtype=fp8_dtype, amax_out=amax_out)
+        y_fp8 = None
+        if delayed:
+            y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype)
+            if fp8[3]:
+                y_fp8.transpose_2d()
+        elif fp8 is not None:
+            y_fp8 = cast_operand(y.reshape(-1, y.shape[-1]), fp8[0], fp8[1], fp8[2], transpose=fp8[3])
+        return y, y_fp8, mean, rstd
+    gamma = _gamma(weight, zero_centered_gamma)
+    shape = (x.shape[-1],)
+    if not rms:
+        y, mean, rstd = torch.native_layer_norm(x, shape, gamma, bias, eps)
+    elif _HAS_FUSED_RMS:
+        (y, rstd), mean = torch._fused_rms_norm(x, shape, gamma, eps), None
+    else:  # older torch: fp32 math, as the kernel reference
+        mean, rstd = None, torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        y = (x.float() * rstd * gamma.float()).to(x.dtype)
+    y_fp8 = None
+    if fp8 is not None:
+        y_fp8 = cast_operand(y.reshape(-1, shape[0]), fp8[0], fp8[1], fp8[2], transpose=fp8[3])
+    return y, y_fp8, mean, rstd
+
+
+def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean, rstd, weight: torch.Tensor, *, rms: bool,
+             zero_centered_gamma: bool, has_bias: bool):
+    """Gradients ``(dx [..., N] in x.dtype, dweight [N], dbias [N] or None)`` of :func:`norm_fwd`'s ``y``
+    (``d/dweight`` equals ``d/dgamma``, also with ``zero_centered_gamma``)."""
+    if _use_kernels(x):
+        from fp8engine.kernels import norm as kn
+
+        dy, x = dy.contiguous(), x.contiguous()
+        if rms:
+            dx, dw = kn.rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=zero_centered_gamma)
+            return dx, dw, None
+        return kn.layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma)
+    gamma = _gamma(weight, zero_centered_gamma)
+    shape = (x.shape[-1],)
+    if not rms:
+        return torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, gamma,
+                                                         gamma if has_bias else None, [True, True, has_bias])
+    # RMSNorm: fp32 math (ATen's fused RMSNorm backward has no CPU kernel in torch 2.13).
+    xhat = x.float() * rstd
+    wdy = dy.float() * gamma.float()
+    dx = rstd * (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True))
+    dw = (dy.float() * xhat).reshape(-1, shape[0]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+class _NormCast(torch.autograd.Function):
+    """``y, y_fp8 = norm(x)``; backward takes ``dy`` for ``y`` (the FP8 copy's consumer routes its gradient
+    through ``y``, see :func:`fp8engine.ops.linear.fp8_linear`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma, fp8):
+        y, y_fp8, mean, rstd = norm_fwd(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma,
+                                        fp8=fp8)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.rms, ctx.zero_centered_gamma, ctx.has_bias = rms, zero_centered_gamma, bias is not None
+        return y, y_fp8
+
+    @staticmethod
+    def backward(ctx, dy, _unused):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = norm_bwd(dy, x, mean, rstd, weight, rms=ctx.rms, zero_centered_gamma=ctx.zero_centered_gamma,
+                              has_bias=ctx.has_bias)
+        return dx, dw, db, None, None, None, None
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
+         zero_centered_gamma: bool = False) -> torch.Tensor:
+    """LayerNorm (``rms=False``) or RMSNorm of the last dim; ``x [..., N]`` -> ``[..., N]`` in ``x.dtype``.
+    On CPU this is exactly ``F.layer_norm`` / ``F.rms_norm`` (same ATen kernels)."""
+    return _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None)[0]
+
+
+def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
+              zero_centered_gamma: bool, state: ScalingState, row: int, plan: FP8Plan,
+              transpose: bool) -> tuple[torch.Tensor, Float8Tensor]:
+    """:func:`norm` plus the FP8 copy ``[M, N]`` of its output cast for ``state`` row ``row`` (with its transpose
+    when ``transpose``, for the wgrad of the GEMM that consumes it). Returns ``(y, y_fp8)``."""
+    return _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, (state, row, plan, transpose))
