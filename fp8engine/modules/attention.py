@@ -19,8 +19,7 @@ from torch import nn
 
 from fp8engine.modules.layernorm_linear import (LayerNormLinear, check_choice, check_divisible, exit_row_parallel,
                                                 master_weight, new_param, no_init, shard, tp_size_rank)
-from fp8engine.modules.linear import Linear, _HighPrecisionMainGrad
-from fp8engine.ops.linear import fp8_linear
+from fp8engine.modules.linear import Linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS
 
 __all__ = ["MultiheadAttention", "RotaryEmbedding", "apply_rotary_pos_emb", "AttentionConfig", "ATTN_MASK_TYPES"]
@@ -124,16 +123,7 @@ class _RowParallelLinear(Linear):
             self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        plan = self.fp8_begin()
-        if plan is None:
-            if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
-                y = _HighPrecisionMainGrad.apply(x, self.weight, None)
-            else:
-                y = F.linear(x, self.weight)
-        else:
-            w_fp8 = self.fp8_weight("weight", self.weight, "weight", plan, is_first_microbatch)
-            y = fp8_linear(x, self.weight, None, self.fp8_state, plan, w_fp8=w_fp8,
-                           fuse_wgrad=self.fuse_wgrad_accumulation)
+        y = self._linear(x, None, is_first_microbatch)
         return exit_row_parallel(y, self.bias, self.tp_group, self.sequence_parallel)
 
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.base import FP8Module
-from fp8engine.modules.linear import _HighPrecisionMainGrad, default_init
+from fp8engine.modules.linear import default_init
+from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS, norm, norm_cast
 
@@ -219,7 +220,7 @@ class LayerNormLinear(FP8Module):
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         if plan is None:
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
-                out = _HighPrecisionMainGrad.apply(total, weight, bias)
+                out = linear_main_grad(total, weight, bias)
             else:
                 out = F.linear(total, weight, bias)
         else:

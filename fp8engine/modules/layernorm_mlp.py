@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from fp8engine.modules.base import FP8Module
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
                                                 exit_row_parallel, master_weight, new_param, shard, tp_size_rank)
-from fp8engine.modules.linear import _HighPrecisionMainGrad
+from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.linear import fp8_linear
 from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, activation, activation_cast
 from fp8engine.ops.norm_linear import NORMALIZATIONS, norm, norm_cast
@@ -102,7 +102,7 @@ class LayerNormMLP(FP8Module):
 
     def _hp_linear(self, x, weight, bias):
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
-            return _HighPrecisionMainGrad.apply(x, weight, bias)
+            return linear_main_grad(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def _fp8_forward(self, x, plan, fc2_bias, is_first_microbatch):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.base import FP8Module
-from fp8engine.ops.linear import LINEAR_ROLES, accumulate_wgrad, fp8_linear
+from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear, linear_main_grad
 
 __all__ = ["Linear", "default_init"]
 
@@ -20,24 +20,6 @@ def default_init(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     if bias is not None:
         bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
         nn.init.uniform_(bias, -bound, bound)
-
-
-class _HighPrecisionMainGrad(torch.autograd.Function):
-    """High-precision linear whose wgrad goes into ``weight.main_grad`` (``fuse_wgrad_accumulation``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy2d, x2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        accumulate_wgrad(weight, (dy2d.t() @ x2d).float())
-        db = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dy @ weight, None, db
 
 
 class Linear(FP8Module):
@@ -80,13 +62,17 @@ class Linear(FP8Module):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``x``: ``[*, in_features]``; ``is_first_microbatch``: FP8 weight caching (see :class:`FP8WeightCache`)."""
+        return self._linear(x, self.bias, is_first_microbatch)
+
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], is_first_microbatch: Optional[bool]):
+        """The GEMM with a given bias (subclasses that add the bias after a reduction pass None)."""
         plan = self.fp8_begin()
         if plan is None:
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
-                return _HighPrecisionMainGrad.apply(x, self.weight, self.bias)
-            return F.linear(x, self.weight, self.bias)
+                return linear_main_grad(x, self.weight, bias)
+            return F.linear(x, self.weight, bias)
         w_fp8 = self.fp8_weight("weight", self.weight, "weight", plan, is_first_microbatch)
-        return fp8_linear(x, self.weight, self.bias, self.fp8_state, plan, w_fp8=w_fp8,
+        return fp8_linear(x, self.weight, bias, self.fp8_state, plan, w_fp8=w_fp8,
                           fuse_wgrad=self.fuse_wgrad_accumulation)
 
     def extra_repr(self) -> str:

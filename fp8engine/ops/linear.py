@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.cast import FP8Plan, cast_operand
-from fp8engine.ops.gemm import fp8_gemm
+from fp8engine.ops.gemm import fp8_gemm, fp8_mm
 
-__all__ = ["fp8_linear", "LINEAR_ROLES", "accumulate_wgrad"]
+__all__ = ["fp8_linear", "LINEAR_ROLES", "accumulate_wgrad", "linear_main_grad"]
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")
@@ -31,13 +32,41 @@ def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
     main_grad.add_(dw)
 
 
+class _HighPrecisionMainGrad(torch.autograd.Function):
+    """High-precision linear whose wgrad goes into ``weight.main_grad`` (``fuse_wgrad_accumulation``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2d, x2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        accumulate_wgrad(weight, (dy2d.t() @ x2d).float())
+        db = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dy @ weight, None, db
+
+
+def linear_main_grad(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """High-precision ``F.linear`` whose weight gradient is added to ``weight.main_grad`` (``weight.grad`` stays
+    None): the path ``fuse_wgrad_accumulation`` takes outside FP8 regions."""
+    return _HighPrecisionMainGrad.apply(x, weight, bias)
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, state: ScalingState,
                 plan: FP8Plan, fuse_wgrad: bool, grad_row: int = _GRAD):
         y = fp8_gemm(x_fp8, w_fp8, x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
         ctx.save_for_backward(weight)
-        ctx.x_fp8, ctx.w_fp8, ctx.state, ctx.plan, ctx.fuse_wgrad = x_fp8, w_fp8, state, plan, fuse_wgrad
+        # Backward needs only the transposed layouts (dgrad: W^T, wgrad: X^T); keep those, not the row-major bits.
+        needs_dw = ctx.needs_input_grad[1] or fuse_wgrad
+        ctx.x_t = (x_fp8.transpose_2d(), x_fp8.scale_inv) if needs_dw else None
+        ctx.w_t = (w_fp8.transpose_2d(), w_fp8.scale_inv) if ctx.needs_input_grad[0] else None
+        ctx.state, ctx.plan, ctx.fuse_wgrad = state, plan, fuse_wgrad
         ctx.x_shape, ctx.has_bias, ctx.grad_row = x.shape, bias is not None, grad_row
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -49,16 +78,16 @@ class _FP8Linear(torch.autograd.Function):
         dy_fp8 = cast_operand(dy2d, ctx.state, ctx.grad_row, ctx.plan, grad=True, transpose=need_dw or ctx.fuse_wgrad)
         dx = dw = db = None
         if need_dx:  # dgrad: dx = dy @ w
-            dx = fp8_gemm(dy_fp8, ctx.w_fp8, dy.dtype, transpose_b=True).reshape(ctx.x_shape)
+            dx = fp8_mm(dy_fp8.data, dy_fp8.scale_inv, *ctx.w_t, dy.dtype).reshape(ctx.x_shape)
         if need_dw or ctx.fuse_wgrad:  # wgrad: dw = dy.T @ x (token dim zero-padded to a multiple of 16)
             out_dtype = torch.float32 if ctx.fuse_wgrad else weight.dtype
-            dw = fp8_gemm(dy_fp8, ctx.x_fp8, out_dtype, transpose_a=True, transpose_b=True, pad_inner=True)
+            dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, *ctx.x_t, out_dtype, pad_inner=True)
             if ctx.fuse_wgrad:
                 accumulate_wgrad(weight, dw)
                 dw = None
         if need_db:
             db = dy2d.sum(0, dtype=torch.float32).to(weight.dtype)
-        ctx.x_fp8 = ctx.w_fp8 = None
+        ctx.x_t = ctx.w_t = None
         return dx, dw, db, None, None, None, None, None, None
 
 
