@@ -1,0 +1,168 @@
+"""The tensor-parallel linear op: one ``autograd.Function`` around the three GEMMs, with its communication.
+
+Per rank (tp = tensor-parallel size):
+
+- column parallel, ``weight [N/tp, K]``: ``x`` is ``[s, b, K]`` (replicated) or, with sequence parallelism,
+  ``[s/tp, b, K]``, all-gathered along dim 0 first (in FP8 when ``fp8_all_gather``).
+  fprop ``y [s, b, N/tp] = x_total @ w.T (+ bias [N/tp])``; dgrad ``dx = dy @ w`` is a partial sum over the tp
+  ranks: it is all-reduced (or reduce-scattered to ``[s/tp, b, K]`` with sequence parallelism) *asynchronously*
+  while the wgrad GEMM ``dw = dy.T @ x_total`` runs; we wait after wgrad (Megatron's overlap). With sequence
+  parallelism the input is not kept gathered: backward re-gathers it asynchronously behind the dgrad GEMM.
+- row parallel, ``weight [N, K/tp]``: the op is a local linear (no communication); the module around it reduces
+  the partial outputs with the mappings.
+
+Under :func:`fp8engine.autocast` the GEMMs are FP8 (:func:`fp8engine.ops.gemm.fp8_gemm`, operands cast by
+:func:`fp8engine.ops.cast.cast_operand`), otherwise plain matmuls in the input dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.state import ScalingState
+from fp8engine.ops.cast import FP8Plan, cast_operand
+from fp8engine.ops.gemm import fp8_gemm
+from fp8engine.ops.linear import accumulate_wgrad
+from fp8engine.parallel.fp8_comm import all_gather_dim0, all_gather_fp8_bytes, cast_and_all_gather_fp8
+from fp8engine.parallel.utils import get_group_size, reduce_scatter_into
+
+__all__ = ["TPLinearConfig", "tp_linear"]
+
+_INPUT, _WEIGHT, _GRAD = 0, 1, 2  # rows of fp8engine.ops.linear.LINEAR_ROLES
+
+
+@dataclass(frozen=True)
+class TPLinearConfig:
+    """How one tensor-parallel linear communicates.
+
+    tp_group: the tensor-parallel process group (None: one rank, no communication).
+    gather_input: all-gather the input along dim 0 in forward (column parallel + sequence parallel).
+    dgrad_comm: ``None`` (row parallel), ``"all_reduce"`` (column parallel) or ``"reduce_scatter"`` (column
+        parallel + sequence parallel) of the input gradient.
+    fuse_wgrad: accumulate wgrad (fp32) into ``weight.main_grad`` instead of returning it.
+    fp8_all_gather: under FP8 with ``gather_input``, gather FP8 bytes instead of high precision.
+    """
+
+    tp_group: object = None
+    gather_input: bool = False
+    dgrad_comm: Optional[str] = None
+    fuse_wgrad: bool = False
+    fp8_all_gather: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dgrad_comm not in (None, "all_reduce", "reduce_scatter"):
+            raise ValueError(f"dgrad_comm must be None, 'all_reduce' or 'reduce_scatter'; got {self.dgrad_comm!r}")
+
+
+class _TPLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, state: Optional[ScalingState], plan: Optional[FP8Plan], cfg: TPLinearConfig,
+                w_fp8: Optional[Float8Tensor]):
+        group = cfg.tp_group
+        gather = cfg.gather_input and get_group_size(group) > 1
+        x2d = x.reshape(-1, x.shape[-1])
+        ctx.regather = None  # what backward must all-gather again: a high-precision or an FP8 shard
+        ctx.x_total_fp8 = None
+        if plan is None:
+            x_total = all_gather_dim0(x2d, group)[0] if gather else x2d
+            y = torch.nn.functional.linear(x_total, weight, bias)
+            ctx.save_for_backward(x2d if gather else x_total, weight)
+            ctx.regather = "hp" if gather else None
+        else:
+            if gather and cfg.fp8_all_gather:
+                local, x_total_fp8 = cast_and_all_gather_fp8(x2d, state, _INPUT, plan, group)
+                ctx.x_total_fp8, ctx.regather = local, "fp8"
+            else:
+                x_total = all_gather_dim0(x2d, group)[0] if gather else x2d
+                x_total_fp8 = cast_operand(x_total, state, _INPUT, plan)
+                ctx.x_total_fp8 = x_total_fp8
+            y = fp8_gemm(x_total_fp8, w_fp8, x.dtype, bias=None if bias is None else bias.to(x.dtype),
+                         use_fast_accum=True)
+            ctx.save_for_backward(weight)
+        ctx.state, ctx.plan, ctx.cfg, ctx.w_fp8 = state, plan, cfg, w_fp8
+        ctx.has_bias = bias is not None
+        ctx.x_local_shape = x.shape
+        rows_total = y.shape[0]
+        return y.reshape(*((rows_total // x2d.shape[0] * x.shape[0],) + tuple(x.shape[1:-1])), y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        cfg, plan, group = ctx.cfg, ctx.plan, ctx.cfg.tp_group
+        weight = ctx.saved_tensors[-1]
+        need_dx, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        need_dw = (ctx.needs_input_grad[1] or cfg.fuse_wgrad) and weight.requires_grad
+        dy2d = dy.reshape(-1, dy.shape[-1])
+
+        # Re-gather the sequence-parallel input for wgrad, overlapped with the dgrad GEMM.
+        gather_work = None
+        x_total = x_total_fp8 = None
+        if need_dw:
+            if ctx.regather == "hp":
+                x_total, gather_work = all_gather_dim0(ctx.saved_tensors[0], group, async_op=True)
+            elif ctx.regather == "fp8":
+                x_total_fp8, gather_work = all_gather_fp8_bytes(ctx.x_total_fp8, group, async_op=True)
+            elif plan is None:
+                x_total = ctx.saved_tensors[0]
+            else:
+                x_total_fp8 = ctx.x_total_fp8
+
+        dy_fp8 = cast_operand(dy2d, ctx.state, _GRAD, plan, grad=True) if plan is not None else None
+
+        dx = dgrad_work = None
+        if need_dx:  # dgrad: dx = dy @ w (a partial sum over tp ranks for column parallel)
+            if plan is None:
+                dx_total = dy2d @ weight
+            else:
+                dx_total = fp8_gemm(dy_fp8, ctx.w_fp8, dy.dtype, transpose_b=True)
+            dx = dx_total
+            if cfg.dgrad_comm is not None and get_group_size(group) > 1:
+                if cfg.dgrad_comm == "all_reduce":
+                    dgrad_work = dist.all_reduce(dx_total, group=group, async_op=True)
+                else:
+                    dx = dx_total.new_empty((dx_total.shape[0] // get_group_size(group), dx_total.shape[1]))
+                    dgrad_work = reduce_scatter_into(dx, dx_total, group, async_op=True)
+
+        dw = None
+        if need_dw:  # wgrad: dw = dy.T @ x_total, overlapped with the dgrad communication
+            if gather_work is not None:
+                gather_work.wait()
+            out_dtype = torch.float32 if cfg.fuse_wgrad else weight.dtype
+            if plan is None:
+                dw = (dy2d.t() @ x_total).to(out_dtype)
+            else:
+                dw = fp8_gemm(dy_fp8, x_total_fp8, out_dtype, transpose_a=True, transpose_b=True, pad_inner=True)
+            if cfg.fuse_wgrad:
+                accumulate_wgrad(weight, dw)
+                dw = None
+        db = dy2d.sum(0, dtype=torch.promote_types(dy.dtype, torch.float32)).to(weight.dtype) if need_db else None
+
+        if dgrad_work is not None:
+            dgrad_work.wait()
+        if dx is not None:
+            dx = dx.reshape(ctx.x_local_shape)
+        ctx.x_total_fp8 = ctx.w_fp8 = None
+        return dx, dw, db, None, None, None, None
+
+
+def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: TPLinearConfig, *,
+              state: Optional[ScalingState] = None, plan: Optional[FP8Plan] = None,
+              w_fp8: Optional[Float8Tensor] = None) -> torch.Tensor:
+    """``x_total @ weight.T + bias`` with the communication ``cfg`` describes (see the module docstring).
+
+    Args:
+        x: ``[s_local, *, K]`` (``s_local = s/tp`` when ``cfg.gather_input``), float32/bf16/fp16.
+        weight: this rank's ``[N_local, K]`` shard. bias: ``[N_local]`` or None (added in the GEMM).
+        cfg: a :class:`TPLinearConfig`.
+        state, plan: the module's :class:`ScalingState` (rows ``input, weight, grad_output``) and the
+            :class:`FP8Plan` of the active autocast; ``plan=None`` runs in high precision.
+        w_fp8: the weight already cast (cast here when None and ``plan`` is given).
+    Returns:
+        ``[s, *, N_local]`` in ``x.dtype`` (``s = tp * s_local`` when gathering).
+    """
+    if plan is not None and w_fp8 is None:
+        w_fp8 = cast_operand(weight, state, _WEIGHT, plan, transpose=torch.is_grad_enabled())
+    return _TPLinear.apply(x, weight, bias, state, plan, cfg, w_fp8)

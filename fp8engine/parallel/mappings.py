@@ -1,0 +1,331 @@
+"""Communication mappings between tensor-/sequence-parallel regions, each an autograd function with its backward
+(Megatron-core ``tensor_parallel/mappings.py``, same names and semantics; the group is always an argument).
+
+Notation, per rank of a group of size ``tp``: ``[s, b, h]`` is a full tensor, ``[s/tp, b, h]`` a sequence shard
+(dim 0), ``[s, b, h/tp]`` a hidden shard (last dim). ``group=None`` means one rank: every mapping is then the
+identity (a tensor passed through unchanged), so model code runs unsharded without ``torch.distributed``.
+
+| mapping                                      | forward                    | backward                  |
+|----------------------------------------------|----------------------------|---------------------------|
+| copy_to_tensor_model_parallel_region         | identity                   | all-reduce                |
+| reduce_from_tensor_model_parallel_region     | all-reduce                 | identity                  |
+| scatter_to_tensor_model_parallel_region      | split last dim             | all-gather last dim       |
+| gather_from_tensor_model_parallel_region     | all-gather last dim        | split last dim            |
+| scatter_to_sequence_parallel_region          | split dim 0                | all-gather dim 0          |
+| gather_from_sequence_parallel_region         | all-gather dim 0           | reduce-scatter dim 0 (*)  |
+| reduce_scatter_to_sequence_parallel_region   | reduce-scatter dim 0       | all-gather dim 0          |
+| all_gather_last_dim_from_tensor_parallel_... | all-gather last dim        | reduce-scatter last dim   |
+| reduce_scatter_last_dim_to_tensor_parallel_. | reduce-scatter last dim    | all-gather last dim       |
+| all_to_all                                   | all-to-all dim 0           | all-to-all, splits swapped|
+| all_to_all_sp2hp / all_to_all_hp2sp          | [s/tp, h] <-> [s, h/tp]    | the other one             |
+
+(*) or split dim 0 when ``tensor_parallel_output_grad=False`` (the consumer's gradient is already replicated).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from fp8engine.parallel.utils import all_gather_into, divide, get_group_rank, get_group_size, reduce_scatter_into
+
+__all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+           "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+           "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+           "reduce_scatter_to_sequence_parallel_region", "all_gather_last_dim_from_tensor_parallel_region",
+           "reduce_scatter_last_dim_to_tensor_parallel_region", "all_to_all", "all_to_all_sp2hp",
+           "all_to_all_hp2sp"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plain (non-autograd) collectives. Each returns a new tensor; inputs are never modified in place (the same
+# gradient tensor may feed several autograd branches).
+
+def _reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if get_group_size(group) == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _split_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    size = get_group_size(group)
+    if size == 1:
+        return x
+    part = divide(x.shape[-1], size, "last dim")
+    return x.narrow(-1, get_group_rank(group) * part, part).contiguous()
+
+
+def _split_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    size = get_group_size(group)
+    if size == 1:
+        return x
+    part = divide(x.shape[0], size, "first dim")
+    return x.narrow(0, get_group_rank(group) * part, part).contiguous()
+
+
+def _gather_along_first_dim(x: torch.Tensor, group, output_split_sizes: Optional[List[int]] = None) -> torch.Tensor:
+    size = get_group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    if output_split_sizes is None:
+        out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        all_gather_into(out, x, group)
+        return out
+    parts = [torch.empty((n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device) for n in output_split_sizes]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _gather_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    size = get_group_size(group)
+    if size == 1:
+        return x
+    stacked = _gather_along_first_dim(x, group)  # [size * d0, ..., d/size], rank-major
+    return torch.cat(stacked.chunk(size, dim=0), dim=-1).contiguous()
+
+
+def _reduce_scatter_along_first_dim(x: torch.Tensor, group,
+                                    input_split_sizes: Optional[List[int]] = None) -> torch.Tensor:
+    size = get_group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    if input_split_sizes is None:
+        out = torch.empty((divide(x.shape[0], size, "first dim"),) + tuple(x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
+        reduce_scatter_into(out, x, group)
+        return out
+    rank = get_group_rank(group)
+    out = torch.empty((input_split_sizes[rank],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter(out, list(x.split(input_split_sizes, dim=0)), group=group)
+    return out
+
+
+def _reduce_scatter_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    size = get_group_size(group)
+    if size == 1:
+        return x
+    # Move the last-dim chunks to dim 0, reduce-scatter, and we hold our own chunk.
+    stacked = torch.cat(x.chunk(size, dim=-1), dim=0)
+    return _reduce_scatter_along_first_dim(stacked, group)
+
+
+def _all_to_all(x: torch.Tensor, group, output_split_sizes=None, input_split_sizes=None) -> torch.Tensor:
+    if get_group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    if output_split_sizes is None:
+        out = torch.empty_like(x)
+    else:
+        out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                           group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autograd functions.
+
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _reduce(dy, ctx.group), None
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _reduce(x, group) if get_group_size(group) > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_along_last_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather_along_last_dim(dy, ctx.group), None
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_along_last_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _split_along_last_dim(dy, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_along_first_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather_along_first_dim(dy, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad, output_split_sizes):
+        ctx.group, ctx.tp_grad, ctx.split_sizes = group, tensor_parallel_output_grad, output_split_sizes
+        return _gather_along_first_dim(x, group, output_split_sizes) if get_group_size(group) > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.tp_grad:
+            return _reduce_scatter_along_first_dim(dy, ctx.group, ctx.split_sizes), None, None, None
+        if ctx.split_sizes is not None and get_group_size(ctx.group) > 1:
+            rank = get_group_rank(ctx.group)
+            start = sum(ctx.split_sizes[:rank])
+            return dy.narrow(0, start, ctx.split_sizes[rank]).contiguous(), None, None, None
+        return _split_along_first_dim(dy, ctx.group), None, None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, input_split_sizes):
+        ctx.group, ctx.split_sizes = group, input_split_sizes
+        return _reduce_scatter_along_first_dim(x, group, input_split_sizes) if get_group_size(group) > 1 \
+            else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather_along_first_dim(dy, ctx.group, ctx.split_sizes), None, None
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_along_last_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _reduce_scatter_along_last_dim(dy, ctx.group), None
+
+
+class _ReduceScatterLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_along_last_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather_along_last_dim(dy, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, x, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, output_split_sizes, input_split_sizes
+        return _all_to_all(x, group, output_split_sizes, input_split_sizes) if get_group_size(group) > 1 \
+            else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return None, _all_to_all(dy, ctx.group, ctx.in_splits, ctx.out_splits), None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public functions (Megatron's names and argument order).
+
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
+    """Forward: identity (each rank holds the full ``[*, h]``). Backward: all-reduce (SUM) of the gradient."""
+    return _CopyToModelParallelRegion.apply(input_, group)
+
+
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-reduce (SUM) of the partial ``[*, h]`` results. Backward: identity."""
+    return _ReduceFromModelParallelRegion.apply(input_, group)
+
+
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
+    """Forward: keep this rank's slice ``[*, h/tp]`` of ``[*, h]``. Backward: all-gather the last dim."""
+    return _ScatterToModelParallelRegion.apply(input_, group)
+
+
+def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-gather ``[*, h/tp]`` into ``[*, h]`` (rank order). Backward: keep this rank's slice."""
+    return _GatherFromModelParallelRegion.apply(input_, group)
+
+
+def scatter_to_sequence_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
+    """Forward: keep this rank's sequence shard ``[s/tp, ...]`` of ``[s, ...]``. Backward: all-gather dim 0."""
+    return _ScatterToSequenceParallelRegion.apply(input_, group)
+
+
+def gather_from_sequence_parallel_region(input_: torch.Tensor, group, tensor_parallel_output_grad: bool = True,
+                                         output_split_sizes: Optional[List[int]] = None) -> torch.Tensor:
+    """Forward: all-gather sequence shards ``[s/tp, ...]`` into ``[s, ...]``.
+
+    Backward: reduce-scatter along dim 0 when the consumer is tensor parallel (each rank holds a partial
+    gradient of the full tensor, ``tensor_parallel_output_grad=True``), else keep this rank's shard.
+    ``output_split_sizes`` (one per rank) allows uneven shards.
+    """
+    return _GatherFromSequenceParallelRegion.apply(input_, group, tensor_parallel_output_grad, output_split_sizes)
+
+
+def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group,
+                                               input_split_sizes: Optional[List[int]] = None) -> torch.Tensor:
+    """Forward: reduce-scatter (SUM) ``[s, ...]`` partial results into ``[s/tp, ...]``. Backward: all-gather dim 0."""
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, group, input_split_sizes)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
+    """Forward: all-gather ``[*, h/tp]`` into ``[*, h]``. Backward: reduce-scatter (SUM) along the last dim."""
+    return _AllGatherLastDim.apply(input_, group)
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
+    """Forward: reduce-scatter (SUM) ``[*, h]`` into ``[*, h/tp]``. Backward: all-gather along the last dim."""
+    return _ReduceScatterLastDim.apply(input_, group)
+
+
+def all_to_all(group, input_: torch.Tensor, output_split_sizes: Optional[List[int]] = None,
+               input_split_sizes: Optional[List[int]] = None) -> torch.Tensor:
+    """All-to-all along dim 0 (Megatron's argument order: group first). Rows ``input_split_sizes[j]`` go to rank
+    ``j``; ``output_split_sizes[j]`` rows arrive from rank ``j`` (equal splits when None). Backward: the inverse
+    all-to-all."""
+    return _AllToAll.apply(group, input_, output_split_sizes, input_split_sizes)
+
+
+def all_to_all_sp2hp(input_: torch.Tensor, group) -> torch.Tensor:
+    """Sequence-parallel to hidden-parallel: ``[s/tp, ..., h]`` -> ``[s, h/tp]`` (leading dims flattened)."""
+    size = get_group_size(group)
+    x = input_.reshape(-1, input_.shape[-1])
+    if size == 1:
+        return x
+    chunks = torch.split(x, divide(x.shape[-1], size, "hidden"), dim=1)
+    return all_to_all(group, torch.cat(chunks, dim=0))
+
+
+def all_to_all_hp2sp(input_: torch.Tensor, group) -> torch.Tensor:
+    """Hidden-parallel to sequence-parallel: ``[s, ..., h/tp]`` -> ``[s/tp, h]`` (leading dims flattened)."""
+    size = get_group_size(group)
+    x = input_.reshape(-1, input_.shape[-1])
+    if size == 1:
+        return x
+    exchanged = all_to_all(group, x)
+    chunks = torch.split(exchanged, divide(exchanged.shape[0], size, "tokens"), dim=0)
+    return torch.cat(chunks, dim=-1)

@@ -1,0 +1,61 @@
+"""fp8engine.modules.TransformerLayer with set_parallel_mode=True on 2 gloo ranks (tensor and sequence parallel)
+against the same layer unsharded, loaded with the same weights (each TP parameter is the slice of the unsharded
+one along the dimension whose size differs; replicated ones are copied)."""
+import pytest
+import torch
+
+from _parallel_harness import run_ranks, shard, sqnr, world_group
+from fp8engine import DelayedScaling, autocast
+from fp8engine.parallel import all_reduce_sequence_parallel_grads
+
+transformer = pytest.importorskip("fp8engine.modules.transformer")
+S, B, H, F, HEADS = 8, 2, 32, 64, 4
+
+
+def _split_dim(full, local):
+    diff = [d for d in range(full.dim()) if full.shape[d] != local.shape[d]]
+    assert len(diff) <= 1, (full.shape, local.shape)
+    return diff[0] if diff else None
+
+
+def _worker(rank, ws, sp, fp8):
+    g = world_group()
+    dt = torch.float32 if fp8 else torch.float64
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dt)
+    torch.manual_seed(0)
+    ref = transformer.TransformerLayer(H, F, HEADS, **kw)
+    tp = transformer.TransformerLayer(H, F, HEADS, set_parallel_mode=True, tp_group=g, sequence_parallel=sp, **kw)
+    full = dict(ref.named_parameters())
+    dims = {}
+    with torch.no_grad():
+        for name, p in tp.named_parameters():
+            d = dims[name] = _split_dim(full[name], p)
+            p.copy_(full[name] if d is None else shard(full[name], d, rank, ws))
+    assert sum(d is not None for d in dims.values()) >= 4, dims  # really sharded
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dt)
+    dy = torch.randn(S, B, H, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(dt)
+    xr = x.clone().requires_grad_(True)
+    xt = (shard(x, 0, rank, ws) if sp else x).clone().requires_grad_(True)
+    with autocast(enabled=fp8, recipe=DelayedScaling()):
+        yr = ref(xr)
+    yr.backward(dy)
+    with autocast(enabled=fp8, recipe=DelayedScaling()):
+        yt = tp(xt)
+    yt.backward(shard(dy, 0, rank, ws) if sp else dy)
+    if sp:
+        all_reduce_sequence_parallel_grads(tp, g)  # replicated params (norms, row biases) see sequence shards
+    pairs = [(shard(yr, 0, rank, ws) if sp else yr, yt, "output"),
+             (shard(xr.grad, 0, rank, ws) if sp else xr.grad, xt.grad, "dgrad")]
+    for name, p in tp.named_parameters():
+        rg = full[name].grad
+        pairs.append((rg if dims[name] is None else shard(rg, dims[name], rank, ws), p.grad, name))
+    for want, got, what in pairs:
+        if fp8:  # unsharded FP8 vs sharded FP8: different per-shard weight scales; >= 18 dB (torchao's bar)
+            assert sqnr(want, got) >= 18, (what, sqnr(want, got))
+        else:    # float64: only summation order differs
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=what)
+
+
+@pytest.mark.parametrize("sp,fp8", [(False, False), (True, False), (True, True)])
+def test_transformer_layer_tp2(sp, fp8):
+    run_ranks(_worker, 2, sp, fp8)
