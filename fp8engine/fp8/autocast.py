@@ -29,9 +29,23 @@ class FP8Context:
     amax_group: object = None
     record_amax: bool = True
     states: dict = field(default_factory=dict)
+    _recorders: list = field(default_factory=list, repr=False)
 
     def register(self, state) -> None:
         self.states[id(state)] = state
+        for rec in self._recorders:
+            rec[id(state)] = state
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Yield a dict that collects the states registered inside the ``with`` block (activation
+        checkpointing uses it to know whose scales to pin for the recompute)."""
+        rec: dict = {}
+        self._recorders.append(rec)
+        try:
+            yield rec
+        finally:
+            self._recorders.remove(rec)
 
 
 _FP8_CONTEXT: contextvars.ContextVar[Optional[FP8Context]] = contextvars.ContextVar("fp8engine_fp8_context",

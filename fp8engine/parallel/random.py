@@ -144,30 +144,14 @@ class _RNGSnapshot:
             self._tracker.set_states(self.tracker)
 
 
-class _RecordingStates(dict):
-    """Stand-in for ``FP8Context.states`` during a checkpointed forward: remembers which scaling states the
-    function registered, so their scales can be restored for the recompute."""
-
-    def __init__(self, base):
-        super().__init__(base)
-        self.used: dict = {}
-
-    def __setitem__(self, key, value):
-        self.used[key] = value
-        super().__setitem__(key, value)
-
-
 @contextlib.contextmanager
 def _record_fp8_states(ctx):
+    """Collect the scaling states a checkpointed function registers with the FP8 region ``ctx``."""
     if ctx is None:
         yield None
         return
-    recording = _RecordingStates(ctx.states)
-    ctx.states = recording
-    try:
-        yield recording.used
-    finally:
-        ctx.states = dict(recording)
+    with ctx.recording() as used:
+        yield used
 
 
 class _FP8Recompute:
