@@ -1,18 +1,42 @@
 """fp8engine: FP8 mixed-precision training for PyTorch transformers, pure Python (Triton + torch._scaled_mm).
 
 Public API (TransformerEngine names): recipes, ``autocast``/``fp8_autocast``, ``Float8Tensor``/``quantize``,
-the FP8 ``Linear`` and ``convert_to_fp8``; layers and models live in ``fp8engine.modules`` / ``fp8engine.models``,
-tensor/sequence parallelism in ``fp8engine.parallel``.
+the FP8 ``Linear`` and layers, ``convert_to_fp8``; models in ``fp8engine.models``, tensor/sequence parallelism in
+``fp8engine.parallel``, the Flax frontend in ``fp8engine.jax``.
+
+The torch-side names load on first use (PEP 562), so ``import fp8engine.jax`` and ``fp8engine.recipe`` work
+without torch installed.
 """
-from fp8engine.fp8 import (Float8Tensor, ScalingState, autocast, fp8_autocast, get_fp8_recipe, is_fp8_available,
-                           quantize, quantize_current, update_amax_history, update_fp8_scale)
-from fp8engine.modules.convert import convert_to_fp8
-from fp8engine.modules.linear import Linear
-from fp8engine.ops.gemm import fp8_gemm
+from importlib import import_module
+
 from fp8engine.recipe import CurrentScaling, DelayedScaling, Format
 
 __version__ = "0.1.0"
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", "autocast", "fp8_autocast", "get_fp8_recipe",
-           "is_fp8_available", "Float8Tensor", "quantize", "quantize_current", "update_amax_history",
-           "update_fp8_scale", "ScalingState", "fp8_gemm", "Linear", "convert_to_fp8"]
+_LAZY = {
+    "autocast": "fp8engine.fp8.autocast", "fp8_autocast": "fp8engine.fp8.autocast",
+    "get_fp8_recipe": "fp8engine.fp8.autocast", "is_fp8_available": "fp8engine.fp8.available",
+    "Float8Tensor": "fp8engine.fp8.float8_tensor", "quantize": "fp8engine.fp8.float8_tensor",
+    "quantize_current": "fp8engine.fp8.float8_tensor", "update_amax_history": "fp8engine.fp8.scaling",
+    "update_fp8_scale": "fp8engine.fp8.scaling", "ScalingState": "fp8engine.fp8.state",
+    "fp8_gemm": "fp8engine.ops.gemm", "Linear": "fp8engine.modules.linear",
+    "convert_to_fp8": "fp8engine.modules.convert", "make_graphed_callables": "fp8engine.modules.graph",
+    "LayerNorm": "fp8engine.modules.norm", "RMSNorm": "fp8engine.modules.norm",
+    "LayerNormLinear": "fp8engine.modules.layernorm_linear", "LayerNormMLP": "fp8engine.modules.layernorm_mlp",
+    "MultiheadAttention": "fp8engine.modules.attention", "TransformerLayer": "fp8engine.modules.transformer",
+}
+
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", *_LAZY]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fp8engine' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
