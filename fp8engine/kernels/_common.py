@@ -1,0 +1,280 @@
+"""Shared pieces of the fp8engine Triton kernels: the FP8 conversion, amax, partial-sum reduction, launcher checks.
+
+Scale direction everywhere: ``fp8 = saturate(x.float() * scale).to(fp8_dtype)`` -- multiply by ``scale`` to go from
+the high-precision range into the FP8 range; ``scale_inv = 1 / scale`` dequantizes. ``saturate`` clamps to
+``+-fp8_max`` (E4M3 448, E5M2 57344); NaN stays NaN; the conversion rounds to nearest even, exactly as
+``torch.Tensor.to(float8)`` does.
+
+FP8 conversion paths (``_fp32_to_fp8_bits``):
+  * on a GPU the hardware conversion (``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` on sm_89+), round-to-nearest-even,
+    except in the tiled cast-transpose kernels, which use the emulation below (see ``emulate_fp8_cvt``);
+  * under ``TRITON_INTERPRET=1`` an exact integer emulation. The interpreter's own float->fp8 conversion (Triton
+    3.9 ``interpreter._convert_float``) is NOT round-to-nearest-even: it adds the first cut-off bit (ties away from
+    zero instead of to even), ORs a mantissa carry into the exponent instead of adding it (e.g. -0.12386 -> 0x98
+    instead of 0xa0 in E4M3) and truncates FP8 subnormals (0.00102 -> 0x00 instead of 0x01). About 8 % of random
+    inputs differed from torch, so the interpreter path never uses it. The emulation is bit-identical to torch on
+    every finite input (tests/kernels/test_fp8_conversion.py sweeps all bf16/fp16 bit patterns and the rounding ties).
+    Set ``FP8ENGINE_EMULATE_FP8_CVT=1`` to force the emulation on a GPU too (used by the tests to cross-check).
+
+NaN encoding: the emulation writes ``0x7f | sign`` (torch's encoding, both formats); the GPU hardware conversion
+may drop the NaN's sign. Compare NaN positions, not NaN bits.
+
+amax convention: a NaN in the reduced tensor is counted as +inf, so amax is +inf (never NaN) -- ``tl.max`` does not
+propagate NaN on GPUs, this makes the result defined; the delayed-scaling update then keeps the old scale.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # the references and fp8engine.kernels stay importable without Triton
+
+    class _MissingTriton:
+        """Stand-in for ``triton`` / ``triton.language`` so kernel modules import; launching raises."""
+
+        constexpr = object  # only used in annotations
+
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+    triton = tl = _MissingTriton()  # type: ignore[assignment]
+    HAS_TRITON = False
+
+
+#: FP8 dtypes the kernels write, with their largest finite value, mantissa bits and exponent bias.
+FP8_FORMATS = {
+    torch.float8_e4m3fn: (448.0, 3, 7),
+    torch.float8_e5m2: (57344.0, 2, 15),
+}
+HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+#: Elements per program of the 1-D reduction of partial sums (stage 2). Columns per program; 256 covers a
+#: 4096-wide dbias with 16 programs, enough for a few-KB reduction that is never on the critical path.
+REDUCE_BLOCK_N = 256
+#: Partial rows per loop step in stage 2 (tile 32 x 256 fp32 = 32 KB of registers per program).
+REDUCE_BLOCK_P = 32
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def emulate_fp8_cvt(tiled_transpose: bool = False) -> bool:
+    """Use the exact integer FP8 conversion: always under the interpreter, always in the tiled cast-transpose
+    kernels (``tiled_transpose=True``, see below), elsewhere on GPU only when forced by FP8ENGINE_EMULATE_FP8_CVT=1.
+
+    Why the tiled kernels emulate: on H200 with Triton 3.6 the hardware conversion inside the 64x64
+    cast-transpose tile kernels wrote wrong bytes for some configurations (fp32 inputs, N < 64, SwiGLU's two
+    halves): in the transposed copy and in one case in the row-major copy too, whether the 8-bit tile or the fp32
+    tile was transposed (cf. triton-lang/triton#11111, fp8 transposed stores miscompiled). The integer emulation
+    is bit-exact there in every tested configuration; it costs ALU time (H200, 32768 x 4096 bf16 -> e4m3
+    cast-transpose: 0.21 ms with the, sometimes wrong, hardware conversion vs 0.29 ms emulated).
+    """
+    return interpreting() or tiled_transpose or os.environ.get("FP8ENGINE_EMULATE_FP8_CVT") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launcher checks
+# ----------------------------------------------------------------------------------------------------------------
+def check_launchable(x: torch.Tensor, op: str) -> None:
+    if not HAS_TRITON:
+        raise RuntimeError(f"{op}: Triton is not installed; use {op}_reference or install triton")
+    if not (x.is_cuda or interpreting()):
+        raise ValueError(
+            f"{op}: tensor on {x.device} is not supported; the Triton kernels need a CUDA tensor, or "
+            f"TRITON_INTERPRET=1 for CPU tensors (or call {op}_reference)"
+        )
+
+
+def check_hp(x: torch.Tensor, name: str, op: str) -> None:
+    if x.dtype not in HP_DTYPES:
+        raise TypeError(f"{op}: {name} has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    if not x.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous; call .contiguous() first")
+    if x.dim() == 0:
+        raise ValueError(f"{op}: {name} must have at least one dimension")
+
+
+def as_2d(x: torch.Tensor) -> torch.Tensor:
+    """View a contiguous tensor as [M, N] with N the last dim (M = product of the leading dims, 1 for 1-D)."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def fp8_format(fp8_dtype: torch.dtype, op: str) -> tuple[float, bool]:
+    """Return ``(fp8_max, is_e4m3)``; raise TypeError for other dtypes."""
+    if fp8_dtype not in FP8_FORMATS:
+        raise TypeError(f"{op}: fp8_dtype {fp8_dtype} not supported; use torch.float8_e4m3fn or torch.float8_e5m2")
+    return FP8_FORMATS[fp8_dtype][0], fp8_dtype == torch.float8_e4m3fn
+
+
+def check_scalar_f32(t: torch.Tensor | None, name: str, device: torch.device, op: str) -> None:
+    if t is None:
+        return
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise TypeError(f"{op}: {name} must be a 1-element float32 tensor, got {t.dtype} with shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device} but the input is on {device}")
+
+
+def new_scale_inv(device: torch.device) -> torch.Tensor:
+    """A fresh [1] fp32 buffer for scale_inv (never a view of the scale)."""
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plain-PyTorch reference pieces (no Triton)
+# ----------------------------------------------------------------------------------------------------------------
+def quantize_reference(y: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(y.float() * scale).to(fp8_dtype)``; NaN stays NaN (torch.clamp propagates it)."""
+    fp8_max = FP8_FORMATS[fp8_dtype][0]
+    return torch.clamp(y.float() * scale.float().reshape(()), -fp8_max, fp8_max).to(fp8_dtype)
+
+
+def amax_reference(y: torch.Tensor) -> torch.Tensor:
+    """max(|y|) in fp32 as a 0-d tensor, NaN counted as +inf (the kernels' convention); 0 for an empty tensor."""
+    a = y.detach().float().abs()
+    a = torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
+    return a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=y.device)
+
+
+def atomic_max_reference(amax_out: torch.Tensor | None, amax: torch.Tensor) -> None:
+    """What the kernels' atomic_max does: amax_out = max(amax_out, amax), never lowering it."""
+    if amax_out is not None:
+        amax_out.copy_(torch.maximum(amax_out, amax.reshape(amax_out.shape)))
+
+
+def scale_inv_reference(scale: torch.Tensor) -> torch.Tensor:
+    return torch.reciprocal(scale.detach().float().reshape(1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton device functions
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fp32_to_fp8_bits(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
+    """Exact round-to-nearest-even fp32 -> FP8 bits (uint8) for |y| <= fp8_max or NaN (saturate first).
+
+    Normal results: the classic integer RNE on the fp32 bits (add 0x..7ff + lowest kept bit, shift), then rebias
+    the exponent; a mantissa carry propagates into the exponent by the integer add. FP8 subnormals: scale |y| so
+    one FP8 subnormal step is 1.0 and add 2**23, which makes the fp32 adder round to an integer (RNE) that then
+    sits in the low mantissa bits; a result of 2**MANT_BITS is the smallest normal, which is the right encoding.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    is_nan = mag > 0x7F800000
+    mag = tl.where(is_nan, 0, mag)
+    rounded = (mag + ((1 << (22 - MANT_BITS)) - 1) + ((mag >> (23 - MANT_BITS)) & 1)) >> (23 - MANT_BITS)
+    normal = rounded - ((127 - EXP_BIAS) << MANT_BITS)
+    # multiply by 1 / (smallest FP8 subnormal) = 2**(MANT_BITS - 1 + EXP_BIAS): exact (power of two)
+    q = mag.to(tl.float32, bitcast=True) * (1 << (MANT_BITS - 1 + EXP_BIAS)) + 8388608.0
+    sub = q.to(tl.int32, bitcast=True) - 0x4B000000
+    out = tl.where(mag < ((128 - EXP_BIAS) << 23), sub, normal)
+    out = tl.where(is_nan, 0x7F, out) | sign
+    return out.to(tl.uint8)
+
+
+@triton.jit
+def _quantize(y, scale, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, EMULATE: tl.constexpr):
+    """saturate(y * scale) -> FP8 bits as uint8. ``y`` fp32 block, ``scale`` fp32 scalar. NaN passes the clamp."""
+    v = y * scale
+    v = tl.where(v > FP8_MAX, FP8_MAX, v)
+    v = tl.where(v < -FP8_MAX, -FP8_MAX, v)
+    if EMULATE:
+        if IS_E4M3:
+            b = _fp32_to_fp8_bits(v, 3, 7)
+        else:
+            b = _fp32_to_fp8_bits(v, 2, 15)
+    else:
+        if IS_E4M3:
+            b = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            b = v.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    return b
+
+
+@triton.jit
+def _abs_max(y, mask):
+    """max(|y|) over a 2-D block as an fp32 scalar; masked-off lanes count 0, NaN counts +inf."""
+    a = tl.abs(y)
+    a = tl.where(a != a, float("inf"), a)
+    a = tl.where(mask, a, 0.0)
+    return tl.max(tl.max(a, axis=1), axis=0)
+
+
+@triton.jit
+def _store_tile(
+    v,  # fp32 [BLOCK_M, BLOCK_N] values of rows offs_m, columns offs_n of an [M, NC] matrix
+    offs_m,
+    offs_n,
+    M,
+    NC,
+    col_end,  # columns >= col_end are masked off (col_end <= NC; a tile may cover part of a wider row)
+    out_ptr,  # [M, NC] row-major output: uint8 FP8 bits if IS_FP8, else high precision (its element type)
+    out_t_ptr,  # [NC, M] row-major transposed FP8 bits (uint8); only used if IS_FP8 and WRITE_T
+    scale,  # fp32 scalar scale (ignored unless IS_FP8)
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    EMULATE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    WRITE_T: tl.constexpr,
+):
+    """Store a tile (FP8 or high precision) and, for FP8, optionally its transpose; offsets in int64."""
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < col_end)
+    if IS_FP8:
+        b = _quantize(v, scale, FP8_MAX, IS_E4M3, EMULATE)
+        tl.store(out_ptr + rows[:, None] * NC + cols[None, :], b, mask=mask)
+        if WRITE_T:
+            # the transposed tile goes to rows offs_n of the [NC, M] copy; tl.trans lets the compiler stage it
+            # through shared memory so both stores are coalesced
+            mask_t = (offs_n[:, None] < col_end) & (offs_m[None, :] < M)
+            tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(b), mask=mask_t)
+    else:
+        tl.store(out_ptr + rows[:, None] * NC + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_scale_inv(scale, scale_inv_ptr):  # scale_inv_ptr: [1] fp32, written with an IEEE division
+    tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+
+
+@triton.jit
+def _sum_partials_kernel(
+    part_ptr,  # [P, N] fp32 partial column sums, row-major
+    out_ptr,  # [N] output, element type = requested dtype (sum in fp32, cast on store)
+    P,
+    N,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Stage 2 of the deterministic column reduction: one program sums BLOCK_N columns over all P rows."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        m = (rows[:, None] < P) & (cols[None, :] < N)
+        acc += tl.load(part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Sum an [P, N] fp32 buffer of partial column sums over P in a fixed order (deterministic) -> [N] out_dtype."""
+    p, n = partials.shape
+    out = torch.empty(n, dtype=out_dtype, device=partials.device)
+    if n == 0:
+        return out
+    if p == 0:
+        return out.zero_()
+    grid = (triton.cdiv(n, REDUCE_BLOCK_N),)
+    _sum_partials_kernel[grid](partials, out, p, n, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
+    return out

@@ -1,0 +1,249 @@
+"""FP8 cast kernels: cast, cast-transpose, cast-transpose + bias gradient, amax.
+
+Direction of the scale: ``data = saturate(x.float() * scale).to(fp8_dtype)`` -- multiply by ``scale`` to go into
+the FP8 range; the returned ``scale_inv = 1 / scale`` (a NEW [1] fp32 tensor written by the same kernel as the bits)
+dequantizes: ``x ~= data.float() * scale_inv``. saturate clamps to +-448 (E4M3) / +-57344 (E5M2); NaN stays NaN;
+rounding is nearest-even, bit-identical to torch (see ``_common``).
+
+Inputs: bf16 / fp16 / fp32, contiguous, any leading shape; viewed as [M, N] with N the last dim.
+``scale``: 1-element fp32 tensor on the input's device. ``amax_out``: optional 1-element fp32 tensor (e.g. the view
+``history[row, 0:1]``) that receives ``atomic_max(amax_out, max(|x|))`` -- a larger existing value is kept; a NaN in
+x counts as +inf.
+
+Layers: ``@triton.jit`` kernels -> launchers ``cast_to_fp8`` / ``cast_transpose_dbias`` / ``compute_amax`` (checks,
+2-D view, grid) and the plain-PyTorch ``*_reference`` functions with the same signatures and outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import (
+    _abs_max,
+    _quantize,
+    _store_tile,
+    _write_scale_inv,
+    amax_reference,
+    as_2d,
+    atomic_max_reference,
+    check_hp,
+    check_launchable,
+    check_scalar_f32,
+    emulate_fp8_cvt,
+    fp8_format,
+    new_scale_inv,
+    quantize_reference,
+    scale_inv_reference,
+    sum_partials,
+    tl,
+    triton,
+)
+
+__all__ = [
+    "cast_to_fp8",
+    "cast_to_fp8_reference",
+    "cast_transpose_dbias",
+    "cast_transpose_dbias_reference",
+    "compute_amax",
+    "compute_amax_reference",
+]
+
+#: Elements per program of the flat cast / amax kernel. 8192 is the block of the ANCHORS.md measurement
+#: (bf16 -> e4m3, 32768 x 4096, 3.62 TB/s on H200); num_warps left at Triton's default.
+CAST_BLOCK = 8192
+#: Tile of the cast-transpose kernels (rows x cols). 64 x 64 keeps a tile's fp32 values at 16 KB of registers for
+#: 4 warps and gives 64-byte fp8 row segments on both stores; a common transpose tile, not tuned on H200 yet.
+TILE_M = 64
+TILE_N = 64
+TILE_WARPS = 4
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr,  # [n] input, high precision, contiguous
+    out_ptr,  # [n] FP8 bits as uint8 (unused if not WRITE_OUT)
+    scale_ptr,  # [1] fp32 scale (unused if not WRITE_OUT)
+    scale_inv_ptr,  # [1] fp32, receives 1 / scale (program 0)
+    amax_ptr,  # [1] fp32, receives atomic_max of max|x| (only if HAS_AMAX)
+    n,
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    EMULATE: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+    HAS_AMAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_AMAX:
+        a = tl.abs(x)
+        a = tl.where(a != a, float("inf"), a)  # NaN counts as +inf
+        tl.atomic_max(amax_ptr, tl.max(tl.where(mask, a, 0.0), axis=0))
+    if WRITE_OUT:
+        scale = tl.load(scale_ptr)
+        tl.store(out_ptr + offs, _quantize(x, scale, FP8_MAX, IS_E4M3, EMULATE), mask=mask)
+        if pid == 0:
+            _write_scale_inv(scale, scale_inv_ptr)
+
+
+@triton.jit
+def _cast_transpose_kernel(
+    x_ptr,  # [M, N] input, high precision, row-major
+    out_ptr,  # [M, N] FP8 bits (uint8)
+    out_t_ptr,  # [N, M] FP8 bits (uint8) of the transpose
+    scale_ptr,  # [1] fp32 scale
+    scale_inv_ptr,  # [1] fp32, receives 1 / scale (program (0, 0))
+    amax_ptr,  # [1] fp32, atomic_max of max|x| (only if HAS_AMAX)
+    dbias_part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 column sums of each row tile (only if HAS_DBIAS)
+    M,
+    N,
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    EMULATE: tl.constexpr,
+    HAS_AMAX: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    _store_tile(x, offs_m, offs_n, M, N, N, out_ptr, out_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE, True, True)
+    if HAS_AMAX:
+        tl.atomic_max(amax_ptr, _abs_max(x, mask))
+    if HAS_DBIAS:
+        tl.store(dbias_part_ptr + pid_m.to(tl.int64) * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
+    if (pid_m == 0) & (pid_n == 0):
+        _write_scale_inv(scale, scale_inv_ptr)
+
+
+def _check_cast_args(x, scale, fp8_dtype, amax_out, op):
+    check_launchable(x, op)
+    check_hp(x, "x", op)
+    check_scalar_f32(scale, "scale", x.device, op)
+    check_scalar_f32(amax_out, "amax_out", x.device, op)
+    return fp8_format(fp8_dtype, op)
+
+
+def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbias_dtype, data, op):
+    m, n = x2.shape
+    data_t = torch.empty((n, m), dtype=fp8_dtype, device=x2.device)
+    scale_inv = new_scale_inv(x2.device)
+    grid_m, grid_n = max(1, triton.cdiv(m, TILE_M)), max(1, triton.cdiv(n, TILE_N))
+    parts = torch.empty((grid_m, n), dtype=torch.float32, device=x2.device) if dbias_dtype is not None else None
+    _cast_transpose_kernel[(grid_m, grid_n)](
+        x2, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
+        amax_out if amax_out is not None else scale_inv, parts if parts is not None else scale_inv, m, n,
+        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(tiled_transpose=True),
+        HAS_AMAX=amax_out is not None, HAS_DBIAS=parts is not None, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
+    )  # fmt: skip
+    dbias = sum_partials(parts[: triton.cdiv(m, TILE_M)], dbias_dtype) if parts is not None else None
+    return data_t, scale_inv, dbias
+
+
+def cast_to_fp8(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    amax_out: torch.Tensor | None = None,
+    *,
+    transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Cast ``x`` to FP8 in one pass, optionally also writing the transposed copy and updating an amax.
+
+    Args:
+        x: bf16/fp16/fp32, contiguous, shape [..., N] (treated as [M, N]).
+        scale: [1] or [] fp32 on x's device; ``data = saturate(x * scale)``.
+        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        amax_out: optional [1] fp32; receives ``max(amax_out, max|x|)`` (atomic; NaN in x -> +inf).
+        transpose: also write ``data_t`` = the [N, M] transpose (tiled cast-transpose kernel).
+
+    Returns:
+        ``(data, data_t, scale_inv)``: data has x's shape and dtype fp8_dtype; data_t is [N, M] or None;
+        scale_inv is a new [1] fp32 tensor holding 1/scale.
+
+    Raises:
+        ValueError for a non-contiguous x, a CPU tensor without TRITON_INTERPRET=1, or a device mismatch;
+        TypeError for unsupported dtypes or a scale/amax_out that is not a 1-element fp32 tensor.
+    """
+    fp8_max, is_e4m3 = _check_cast_args(x, scale, fp8_dtype, amax_out, "cast_to_fp8")
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    if transpose:
+        data_t, scale_inv, _ = _launch_cast_transpose(
+            as_2d(x), scale, fp8_dtype, amax_out, fp8_max, is_e4m3, None, data, "cast_to_fp8"
+        )
+        return data, data_t, scale_inv
+    scale_inv = new_scale_inv(x.device)
+    n = x.numel()
+    _cast_kernel[(max(1, triton.cdiv(n, CAST_BLOCK)),)](
+        x, data.view(torch.uint8), scale, scale_inv, amax_out if amax_out is not None else scale_inv, n,
+        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(), WRITE_OUT=True,
+        HAS_AMAX=amax_out is not None, BLOCK=CAST_BLOCK,
+    )  # fmt: skip
+    return data, None, scale_inv
+
+
+def cast_transpose_dbias(
+    grad: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cast-transpose a gradient to FP8 and fuse the bias gradient (column sums).
+
+    Args: as ``cast_to_fp8`` (grad is [..., N]).
+    Returns:
+        ``(data, data_t, scale_inv, dbias)``: data like grad in fp8_dtype, data_t [N, M], scale_inv new [1] fp32,
+        dbias [N] in grad.dtype = column sums of grad accumulated in fp32 (per 64-row tile, then a second
+        deterministic pass over the tiles; no float atomics).
+    """
+    fp8_max, is_e4m3 = _check_cast_args(grad, scale, fp8_dtype, amax_out, "cast_transpose_dbias")
+    data = torch.empty(grad.shape, dtype=fp8_dtype, device=grad.device)
+    data_t, scale_inv, dbias = _launch_cast_transpose(
+        as_2d(grad), scale, fp8_dtype, amax_out, fp8_max, is_e4m3, grad.dtype, data, "cast_transpose_dbias"
+    )
+    return data, data_t, scale_inv, dbias
+
+
+def compute_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
+    """One pass ``amax_out = max(amax_out, max|x|)`` (atomic; NaN in x counts as +inf). Returns None."""
+    check_launchable(x, "compute_amax")
+    check_hp(x, "x", "compute_amax")
+    if amax_out is None:
+        raise ValueError("compute_amax: amax_out is required (a 1-element fp32 tensor)")
+    check_scalar_f32(amax_out, "amax_out", x.device, "compute_amax")
+    n = x.numel()
+    _cast_kernel[(max(1, triton.cdiv(n, CAST_BLOCK)),)](
+        x, amax_out, amax_out, amax_out, amax_out, n, FP8_MAX=448.0, IS_E4M3=True, EMULATE=True,
+        WRITE_OUT=False, HAS_AMAX=True, BLOCK=CAST_BLOCK,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# References (plain PyTorch, no Triton)
+# ----------------------------------------------------------------------------------------------------------------
+def cast_to_fp8_reference(x, scale, fp8_dtype, amax_out=None, *, transpose=False):
+    """Plain-PyTorch ``cast_to_fp8``: same outputs, same in-place amax update."""
+    fp8_format(fp8_dtype, "cast_to_fp8_reference")
+    data = quantize_reference(x, scale, fp8_dtype)
+    atomic_max_reference(amax_out, amax_reference(x))
+    data_t = as_2d(data.view(torch.uint8)).t().contiguous().view(fp8_dtype) if transpose else None
+    return data, data_t, scale_inv_reference(scale)
+
+
+def cast_transpose_dbias_reference(grad, scale, fp8_dtype, amax_out=None):
+    """Plain-PyTorch ``cast_transpose_dbias``."""
+    data, data_t, scale_inv = cast_to_fp8_reference(grad, scale, fp8_dtype, amax_out, transpose=True)
+    dbias = as_2d(grad).float().sum(0).to(grad.dtype)
+    return data, data_t, scale_inv, dbias
+
+
+def compute_amax_reference(x, amax_out):
+    """Plain-PyTorch ``compute_amax``."""
+    atomic_max_reference(amax_out, amax_reference(x))

@@ -1,0 +1,153 @@
+"""Delayed-scaling update for many FP8 tensors in one launch: new scales from amax histories, then roll histories.
+
+For every row r of every (history [n_i, L], scale [n_i], fp8_max [n_i]) triple, in place:
+    amax  = max(history[r, :])            (algo "max";  NaN anywhere in the row makes amax NaN)
+          = history[r, 0]                 (algo "most_recent")
+    sf    = (fp8_max[r] / amax) / 2**margin                  (IEEE fp32 divisions, as torch)
+    scale[r] = sf  if update_scale and 0 < amax < inf (amax finite) and sf finite,  else unchanged
+    history[r, :] = [history[r, 1], ..., history[r, L-1], history[r, 0]]  then history[r, 0] = 0
+Formula after TransformerEngine's delayed scaling (``_default_sf_compute``); the "sf finite" guard is ours: an amax
+so small that fp8_max/amax overflows (e.g. a denormal amax) keeps the old scale instead of writing inf.
+Direction: the scale multiplies high-precision values into the FP8 range. scale_inv is not touched: it belongs to
+the FP8 data and is written by the kernel that writes the bits.
+
+One launch for all tensors: the launcher packs the data_ptr()s of the histories / scales / fp8_maxes into int64
+device tensors; the kernel turns them back into pointers with ``.to(tl.pointer_type(tl.float32))``; one program per
+row. All histories must share L. ``update_scale`` is a Python bool or a 0-d / 1-element bool tensor on the device
+(read by the kernel, so no host sync). The pointer tables are rebuilt per call (a small host-to-device copy), so the
+call is not CUDA-graph safe as is.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ._common import check_launchable, tl, triton
+
+__all__ = ["delayed_scaling_update", "delayed_scaling_update_reference"]
+
+_ALGOS = ("max", "most_recent")
+
+
+@triton.jit
+def _delayed_scaling_kernel(
+    hist_ptrs,  # [T] int64: data_ptr of each fp32 amax history [n_i, L] (row-major, contiguous)
+    scale_ptrs,  # [T] int64: data_ptr of each fp32 scale [n_i], updated in place
+    max_ptrs,  # [T] int64: data_ptr of each fp32 fp8_max [n_i]
+    row_ends,  # [T] int32: cumulative row counts (row_ends[t] = n_0 + ... + n_t)
+    flag_ptr,  # [1] bool update_scale (only if FLAG_FROM_TENSOR)
+    T,
+    L,
+    pow2_margin,  # fp32 2**margin
+    MOST_RECENT: tl.constexpr,
+    UPDATE: tl.constexpr,  # False: never update scales (Python update_scale=False)
+    FLAG_FROM_TENSOR: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    ts = tl.arange(0, BLOCK_T)
+    ends = tl.load(row_ends + ts, mask=ts < T, other=2147483647)
+    t = tl.sum((ends <= pid).to(tl.int32), axis=0)  # tensor index of this row
+    row = pid - (tl.sum(tl.where(ts == t - 1, ends, 0), axis=0))  # row within tensor t
+    hist = tl.load(hist_ptrs + t).to(tl.pointer_type(tl.float32)) + row.to(tl.int64) * L
+    offs = tl.arange(0, BLOCK_L)
+    lmask = offs < L
+    h = tl.load(hist + offs, mask=lmask, other=0.0)
+    rolled = tl.load(hist + (offs + 1) % L, mask=lmask, other=0.0)  # new[i] = old[i + 1], new[L-1] = old[0]
+    if UPDATE:
+        scale_p = tl.load(scale_ptrs + t).to(tl.pointer_type(tl.float32)) + row
+        fp8_max = tl.load(tl.load(max_ptrs + t).to(tl.pointer_type(tl.float32)) + row)
+        old = tl.load(scale_p)
+        if MOST_RECENT:
+            amax = tl.sum(tl.where(offs == 0, h, 0.0), axis=0)
+        else:
+            has_nan = tl.max((h != h).to(tl.int32), axis=0) > 0
+            amax = tl.max(tl.where(lmask, h, float("-inf")), axis=0)
+            amax = tl.where(has_nan, float("nan"), amax)
+        sf = tl.math.div_rn(tl.math.div_rn(fp8_max, amax), pow2_margin)
+        ok = (amax > 0.0) & (amax < float("inf")) & (tl.abs(sf) < float("inf"))
+        if FLAG_FROM_TENSOR:
+            ok = ok & (tl.load(flag_ptr).to(tl.int32) != 0)
+        tl.store(scale_p, tl.where(ok, sf, old))
+    # every lane has read the row before any lane overwrites it (bar.sync orders memory within the program)
+    tl.debug_barrier()
+    tl.store(hist + offs, tl.where(offs == 0, 0.0, rolled), mask=lmask)
+
+
+def _check(amax_histories, scales, fp8_maxes, algo, update_scale, op):
+    if algo not in _ALGOS:
+        raise ValueError(f"{op}: algo must be one of {_ALGOS}, got {algo!r}")
+    if not (len(amax_histories) == len(scales) == len(fp8_maxes)) or not amax_histories:
+        raise ValueError(f"{op}: need equally long, non-empty lists of amax_histories, scales and fp8_maxes")
+    lengths = {h.shape[-1] if h.dim() == 2 else None for h in amax_histories}
+    if len(lengths) != 1 or None in lengths:
+        raise ValueError(f"{op}: every amax history must be 2-D [n_i, L] with the same L; got lengths {lengths}")
+    device = amax_histories[0].device
+    for i, (h, s, fm) in enumerate(zip(amax_histories, scales, fp8_maxes)):
+        for name, t in (("amax_histories", h), ("scales", s), ("fp8_maxes", fm)):
+            if t.dtype != torch.float32:
+                raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; only float32 is supported")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name}[{i}] must be contiguous; call .contiguous() first")
+            if t.device != device:
+                raise ValueError(f"{op}: {name}[{i}] is on {t.device}, {name}[0] on {device}")
+        if s.shape != (h.shape[0],) or fm.shape != (h.shape[0],):
+            raise ValueError(f"{op}: scales[{i}] and fp8_maxes[{i}] must have shape ({h.shape[0]},) like its history")
+    if isinstance(update_scale, torch.Tensor):
+        if update_scale.dtype != torch.bool or update_scale.numel() != 1 or update_scale.device != device:
+            raise TypeError(f"{op}: update_scale tensor must be a 1-element bool tensor on {device}")
+    return lengths.pop()
+
+
+def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin, algo="max", update_scale=True):
+    """Update ``scales`` from ``amax_histories`` and roll the histories, in place, in one launch.
+
+    Args:
+        amax_histories: list of fp32 contiguous [n_i, L] tensors (same L), column 0 = the newest amax.
+        scales: list of fp32 [n_i] tensors, updated in place. fp8_maxes: list of fp32 [n_i] (448. / 57344.).
+        margin: float; sf = (fp8_max / amax) / 2**margin. algo: "max" or "most_recent".
+        update_scale: bool, or a 1-element bool tensor on the device (False -> only roll the histories).
+    Returns None. Raises ValueError / TypeError describing unsupported inputs (see the module docstring).
+    """
+    op = "delayed_scaling_update"
+    L = _check(amax_histories, scales, fp8_maxes, algo, update_scale, op)
+    check_launchable(amax_histories[0], op)
+    device = amax_histories[0].device
+    rows = [h.shape[0] for h in amax_histories]
+    if sum(rows) == 0 or L == 0:
+        return
+    def ptrs(ts):
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)
+
+    ends = torch.tensor(list(itertools.accumulate(rows)), dtype=torch.int32, device=device)
+    flag_tensor = isinstance(update_scale, torch.Tensor)
+    n_t = len(rows)
+    _delayed_scaling_kernel[(sum(rows),)](
+        ptrs(amax_histories), ptrs(scales), ptrs(fp8_maxes), ends,
+        update_scale.reshape(1) if flag_tensor else ends, n_t, L, float(2.0**margin),
+        MOST_RECENT=algo == "most_recent", UPDATE=flag_tensor or bool(update_scale), FLAG_FROM_TENSOR=flag_tensor,
+        BLOCK_T=triton.next_power_of_2(n_t), BLOCK_L=triton.next_power_of_2(L), num_warps=1 if L <= 256 else 4,
+    )  # fmt: skip
+
+
+def delayed_scaling_update_reference(amax_histories, scales, fp8_maxes, *, margin, algo="max", update_scale=True):
+    """Plain-PyTorch ``delayed_scaling_update`` (same in-place results, one small op group per tensor)."""
+    _check(amax_histories, scales, fp8_maxes, algo, update_scale, "delayed_scaling_update_reference")
+    for h, s, fm in zip(amax_histories, scales, fp8_maxes):
+        if h.numel() == 0:
+            continue
+        amax = h[:, 0] if algo == "most_recent" else h.amax(dim=1)
+        # tensor / tensor: a Python-scalar divisor would be turned into a reciprocal multiply on CUDA
+        sf = (fm / amax) / torch.tensor(2.0**margin, dtype=torch.float32, device=h.device)
+        ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(sf)
+        if isinstance(update_scale, torch.Tensor):
+            ok = ok & update_scale.reshape(())
+        elif not update_scale:
+            ok = torch.zeros_like(ok)
+        s.copy_(torch.where(ok, sf, s))
+        rolled = torch.roll(h, shifts=-1, dims=1)
+        rolled[:, 0] = 0.0
+        h.copy_(rolled)

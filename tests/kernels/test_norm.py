@@ -1,0 +1,145 @@
+"""LayerNorm / RMSNorm kernels against their plain-PyTorch references, and the references against float64 autograd.
+
+Tolerances: the kernel and the reference both compute in fp32 but reduce in different orders (and on GPU use
+approximate sqrt/division), so fp32 outputs agree to a few ulps (rtol 2e-5 with atol 2e-5 covers ~100 ulps of O(1)
+values); outputs rounded to bf16/fp16 agree to one ulp of that dtype. FP8 outputs: within one FP8 step, >= 99 %
+identical (a flip needs an fp32 value within a few ulps of an FP8 rounding midpoint).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _kernel_test_utils import DEVICES, FP8_DTYPES, FP8_MAX, HP_DTYPES, assert_fp8_close, dtype_rtol, randn
+
+from fp8engine.kernels.norm import (
+    layernorm_bwd,
+    layernorm_bwd_reference,
+    layernorm_fwd,
+    layernorm_fwd_reference,
+    rmsnorm_bwd,
+    rmsnorm_bwd_reference,
+    rmsnorm_fwd,
+    rmsnorm_fwd_reference,
+)
+
+SHAPES = [(1151, 24), (33, 48), (1, 16), (2, 9, 300)]
+EPS = 1e-5
+
+
+def _close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), rtol=max(dtype_rtol(dtype), 2e-5), atol=2e-5)
+
+
+def _params(shape, dtype, device, zero_centered):
+    n = shape[-1]
+    w = randn((n,), dtype, device, seed=7, scale=0.5)
+    if not zero_centered:
+        w = (w.float() + 1.0).to(dtype)
+    b = randn((n,), dtype, device, seed=8, scale=0.5)
+    return w, b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_norm_fwd_bwd_hp(device, dtype, shape, rms, zero_centered):
+    x = randn(shape, dtype, device, seed=shape[0], scale=2.0)
+    x = (x.float() + 0.7).to(dtype)  # non-zero mean
+    dy = randn(shape, dtype, device, seed=99)
+    w, b = _params(shape, dtype, device, zero_centered)
+    kw = dict(zero_centered_gamma=zero_centered)
+    if rms:
+        y, y8, si, rstd = rmsnorm_fwd(x, w, EPS, **kw)
+        ry, _, _, rrstd = rmsnorm_fwd_reference(x, w, EPS, **kw)
+        grads = rmsnorm_bwd(dy, x, rrstd, w, **kw)
+        rgrads = rmsnorm_bwd_reference(dy, x, rrstd, w, **kw)
+    else:
+        bias = None if zero_centered else b  # cover bias=None
+        y, y8, si, mean, rstd = layernorm_fwd(x, w, bias, EPS, **kw)
+        ry, _, _, rmean, rrstd = layernorm_fwd_reference(x, w, bias, EPS, **kw)
+        torch.testing.assert_close(mean, rmean, rtol=2e-5, atol=2e-6)
+        grads = layernorm_bwd(dy, x, rmean, rrstd, w, **kw)
+        rgrads = layernorm_bwd_reference(dy, x, rmean, rrstd, w, **kw)
+    assert y8 is None and si is None
+    assert y.dtype == dtype and y.shape == x.shape and rstd.dtype == torch.float32
+    torch.testing.assert_close(rstd, rrstd, rtol=2e-5, atol=0)
+    _close(y, ry, dtype)
+    dx, dgamma = grads[0], grads[1]
+    assert dx.dtype == dtype and dx.shape == x.shape and dgamma.dtype == w.dtype
+    _close(dx, rgrads[0], dtype)
+    # dgamma / dbeta: sums over up to 1151 rows in different orders: fp32 error <= rows * 2^-24 * sum|terms|
+    for g, rg in zip(grads[1:], rgrads[1:]):
+        scale = rg.float().abs().max().item() + 1.0
+        torch.testing.assert_close(g.float(), rg.float(), rtol=dtype_rtol(dtype), atol=1e-4 * scale)
+    again = (rmsnorm_bwd(dy, x, rrstd, w, **kw) if rms else layernorm_bwd(dy, x, rmean, rrstd, w, **kw))
+    for g, g2 in zip(grads[1:], again[1:]):
+        assert torch.equal(g, g2), "dgamma / dbeta must be deterministic"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("return_hp", [False, True])
+def test_norm_fwd_fp8(device, fp8_dtype, dtype, rms, return_hp):
+    shape = (257, 40)
+    x = randn(shape, dtype, device, seed=4, scale=3.0)
+    w, b = _params(shape, dtype, device, False)
+    s = torch.tensor([FP8_MAX[fp8_dtype] / 3.0], device=device)
+    amax, amax_ref = torch.full((1,), 0.1, device=device), torch.full((1,), 0.1, device=device)
+    kw = dict(scale=s, fp8_dtype=fp8_dtype, return_hp=return_hp)
+    if rms:
+        y, y8, si, _ = rmsnorm_fwd(x, w, EPS, amax_out=amax, **kw)
+        ry, ry8, rsi, _ = rmsnorm_fwd_reference(x, w, EPS, amax_out=amax_ref, **kw)
+    else:
+        y, y8, si, _, _ = layernorm_fwd(x, w, b, EPS, amax_out=amax, **kw)
+        ry, ry8, rsi, _, _ = layernorm_fwd_reference(x, w, b, EPS, amax_out=amax_ref, **kw)
+    assert (y is None) == (not return_hp)
+    if return_hp:
+        _close(y, ry, dtype)
+    assert y8.shape == x.shape
+    assert_fp8_close(y8, ry8, fp8_dtype)
+    torch.testing.assert_close(si, rsi, rtol=0, atol=0)
+    torch.testing.assert_close(amax, amax_ref, rtol=2e-5, atol=0)  # max|y| of fp32 y, same ulp argument as y
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_references_match_float64_autograd(zero_centered):
+    x = randn((65, 48), torch.float32, "cpu", seed=1, scale=2.0) + 0.5
+    dy = randn((65, 48), torch.float32, "cpu", seed=2)
+    w, b = _params((65, 48), torch.float32, "cpu", zero_centered)
+    kw = dict(zero_centered_gamma=zero_centered)
+    # LayerNorm
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    y64 = F.layer_norm(x64, (48,), (w64 + 1.0) if zero_centered else w64, b64, EPS)
+    y64.backward(dy.double())
+    y, _, _, mean, rstd = layernorm_fwd_reference(x, w, b, EPS, **kw)
+    dx, dgamma, dbeta = layernorm_bwd_reference(dy, x, mean, rstd, w, **kw)
+    for got, want in ((y, y64), (dx, x64.grad), (dgamma, w64.grad), (dbeta, b64.grad)):
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-4)
+    # RMSNorm
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    g64 = (w64 + 1.0) if zero_centered else w64
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * g64
+    y64.backward(dy.double())
+    y, _, _, rstd = rmsnorm_fwd_reference(x, w, EPS, **kw)
+    dx, dgamma = rmsnorm_bwd_reference(dy, x, rstd, w, **kw)
+    for got, want in ((y, y64), (dx, x64.grad), (dgamma, w64.grad)):
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_errors(device):
+    x = randn((8, 16), torch.float32, device)
+    w = torch.ones(16, device=device)
+    with pytest.raises(ValueError, match="contiguous"):
+        layernorm_fwd(x.t().contiguous().t(), w, None, EPS)
+    with pytest.raises(ValueError, match="shape"):
+        layernorm_fwd(x, torch.ones(15, device=device), None, EPS)
+    with pytest.raises(ValueError, match="both scale and fp8_dtype"):
+        rmsnorm_fwd(x, w, EPS, scale=torch.ones(1, device=device))
+    with pytest.raises(ValueError, match="no output"):
+        rmsnorm_fwd(x, w, EPS, return_hp=False)
