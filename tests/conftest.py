@@ -1,6 +1,13 @@
 """Shared test helpers: devices to run on and the SQNR metric."""
+import os
+
 import pytest
 import torch
+
+# Triton decides between compiled and interpreted kernels when a kernel module is imported, so without a GPU the
+# interpreter is switched on here, before any test imports fp8engine.kernels.*.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
