@@ -1,17 +1,24 @@
 """FP8 ``dot_general`` with a custom VJP and delayed scaling: the one FP8 GEMM op of the JAX frontend.
 
-The three GEMMs, for ``y = dot_general(x, w)`` (``dims`` as in ``lax.dot_general``):
+The three GEMMs, for ``y = dot_general(x, w)`` (``dims`` as in ``lax.dot_general``), each taking the FP8
+arrays themselves as operands and dequantizing the *result* with the product of the two ``scale_inv``:
 
-- fprop: ``y = dot(dq(q(x)), dq(q(w)))`` with ``q`` = saturate-cast into the forward encoding (E4M3 under
-  ``Format.HYBRID``) using the metas' *current* scales, ``dq`` = multiply by ``scale_inv``;
-- dgrad: ``dx = dot_general_transpose_lhs(dq(q(dy)), dq(q(w)))`` with ``dy`` cast to the backward encoding
-  (E5M2 under ``HYBRID``) with the grad meta's scale;
-- wgrad: ``dw = dot_general_transpose_rhs(dq(q(dy)), dq(q(x)))``.
+- fprop: ``y = dot_general(q(x), q(w)) * (x_scale_inv * w_scale_inv)`` with ``q`` = saturate-cast into the
+  forward encoding (E4M3 under ``Format.HYBRID``) using the metas' *current* scales;
+- dgrad: ``dx = dot_general(q(dy), q(w)) * (dy_scale_inv * w_scale_inv)``, contracting ``dy``'s kernel
+  axes with the kernel's free axes, ``dy`` cast to the backward encoding (E5M2 under ``HYBRID``) with the
+  grad meta's scale;
+- wgrad: ``dw = dot_general(q(x), q(dy)) * (x_scale_inv * dy_scale_inv)``, contracting ``x``'s free axes.
 
-The dequantize-then-dot form is the pattern XLA's GPU GEMM rewriter turns into a cuBLASLt FP8 GEMM (scales
-folded into the epilogue); on CPU it is an exact emulation of the FP8 roundings followed by a GEMM in the
-compute dtype. The transposed GEMMs come from ``jax.vjp`` of ``lax.dot_general`` applied to the dequantized
-operands, so any ``dimension_numbers`` (contracting and batch) work.
+The GEMMs are ``lax.dot_general`` on FP8 operands with ``preferred_element_type`` = the compute dtype
+(float32 for float16, whose range an FP8 GEMM's sum can exceed): XLA's GPU GEMM rewriter turns such a dot
+into a cuBLASLt FP8 GEMM (E4M3 x E4M3 forward, E5M2 x E4M3 backward under ``HYBRID``), layouts and
+transposes its business; the scalar multiply after it is an elementwise op XLA fuses into the consumer.
+cuBLASLt has no E5M2 x E5M2 GEMM: under ``Format.E5M2`` XLA falls back to a 16-bit GEMM (same results).
+fprop uses ``Precision.DEFAULT`` (cuBLASLt fast accumulation), dgrad/wgrad ``Precision.HIGHEST`` (no fast
+accumulation), TransformerEngine's split. On CPU XLA upcasts the FP8 operands to float32 and accumulates in
+float32, so the same code runs everywhere and equals an exact emulation of the FP8 roundings followed by a
+float32 GEMM (one rounding to the compute dtype after the GEMM and one after the scaling).
 
 Delayed scaling: the amaxes of ``x``, ``w`` and ``dy`` (reduced with ``pmax`` over the bound mesh axes) are
 returned as the cotangent of the metas: ``meta`` with ``amax_history[0] = max(amax_history[0], amax)``.
@@ -62,7 +69,7 @@ class _GemmConfig:
     dims: tuple  # lax.dot_general dimension_numbers, as nested tuples
     fwd_dtype: object  # FP8 dtype of x and w
     bwd_dtype: object  # FP8 dtype of dy
-    compute_dtype: object  # dtype the dequantized operands and the result are in
+    compute_dtype: object  # dtype of the operands as passed in and of the results (y, dx, dw)
     amax_axes: tuple  # mesh axes to pmax the amaxes over
 
 
@@ -82,8 +89,64 @@ def _meta_cotangent(meta: Fp8Meta, new_amax: jax.Array) -> Fp8Meta:
     return meta.replace(amax_history=_like(history, meta.amax_history))
 
 
-def _dot(a, b, cfg: _GemmConfig):
-    return lax.dot_general(a, b, cfg.dims, preferred_element_type=cfg.compute_dtype)
+def _free_axes(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> tuple:
+    """Axes of an operand that are neither contracted nor batch, ascending (they follow the batch axes in a
+    ``lax.dot_general`` result, lhs's before rhs's)."""
+    used = set(contract) | set(batch)
+    return tuple(a for a in range(ndim) if a not in used)
+
+
+def _to_axes(out: jax.Array, axes_of_out: Sequence[int]) -> jax.Array:
+    """Transpose ``out`` so that its dimension ``j`` lands on axis ``axes_of_out[j]``."""
+    perm = tuple(sorted(range(len(axes_of_out)), key=lambda j: axes_of_out[j]))
+    return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
+
+
+def _acc_dtype(compute_dtype):
+    """``preferred_element_type`` of the FP8 GEMMs: the compute dtype, except float32 for float16 (a sum of
+    K products of FP8 values up to 448 * 57344 overflows float16's 65504)."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(compute_dtype) == jnp.float16 else jnp.dtype(compute_dtype)
+
+
+def _fp8_gemm(a, b, dims, scale_inv, cfg: _GemmConfig, precision) -> jax.Array:
+    """``dot_general(a, b, dims) * scale_inv`` in the compute dtype, ``a``/``b`` FP8 arrays, ``scale_inv`` the
+    float32 product of the operands' scale_invs. The dot on the FP8 arrays with ``preferred_element_type`` is
+    the form XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM."""
+    acc = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_acc_dtype(cfg.compute_dtype))
+    return (_f32(acc) * scale_inv).astype(cfg.compute_dtype)
+
+
+def _fprop(qx, qw, scale_inv, cfg: _GemmConfig) -> jax.Array:
+    """``y = dot_general(qx, qw, dims) * scale_inv``; fast accumulation (``Precision.DEFAULT``)."""
+    return _fp8_gemm(qx, qw, cfg.dims, scale_inv, cfg, lax.Precision.DEFAULT)
+
+
+def _dgrad(qdy, qw, x_ndim: int, scale_inv, cfg: _GemmConfig) -> jax.Array:
+    """``dx``, shape of ``x``: ``qdy``'s kernel-free axes contracted with ``qw``'s free axes, batch with batch.
+
+    The result's axes are ``[batch, x free, w contracted (ascending)]``; the last group maps back to the x
+    axes they were contracted with."""
+    (xc, wc), (xb, wb) = cfg.dims
+    x_free, w_free = _free_axes(x_ndim, xc, xb), _free_axes(qw.ndim, wc, wb)
+    n_lead = len(xb) + len(x_free)  # dy = [batch, x free, w free]
+    dims = ((tuple(range(n_lead, n_lead + len(w_free))), w_free), (tuple(range(len(xb))), wb))
+    out = _fp8_gemm(qdy, qw, dims, scale_inv, cfg, lax.Precision.HIGHEST)
+    x_of_w = dict(zip(wc, xc))
+    return _to_axes(out, xb + x_free + tuple(x_of_w[a] for a in sorted(wc)))
+
+
+def _wgrad(qx, qdy, w_ndim: int, scale_inv, cfg: _GemmConfig) -> jax.Array:
+    """``dw``, shape of ``w``: ``qx``'s free axes contracted with ``qdy``'s x-free axes, batch with batch.
+
+    The result's axes are ``[batch, x contracted (ascending), w free]``; the middle group maps to the w axes
+    they were contracted with (for ``DenseGeneral`` no transpose is left)."""
+    (xc, wc), (xb, wb) = cfg.dims
+    x_free = _free_axes(qx.ndim, xc, xb)
+    w_free = _free_axes(w_ndim, wc, wb)
+    dims = ((x_free, tuple(range(len(xb), len(xb) + len(x_free)))), (xb, tuple(range(len(xb)))))
+    out = _fp8_gemm(qx, qdy, dims, scale_inv, cfg, lax.Precision.HIGHEST)
+    w_of_x = dict(zip(xc, wc))
+    return _to_axes(out, wb + tuple(w_of_x[a] for a in sorted(xc)) + w_free)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -96,7 +159,7 @@ def _fp8_dot_fwd(x, w, x_meta, w_meta, g_meta, cfg):
     qx = quantize(x, _f32(x_meta.scale), cfg.fwd_dtype)
     qw = quantize(w, _f32(w_meta.scale), cfg.fwd_dtype)
     x_si, w_si = _f32(x_meta.scale_inv), _f32(w_meta.scale_inv)
-    y = _dot(dequantize(qx, x_si, cfg.compute_dtype), dequantize(qw, w_si, cfg.compute_dtype), cfg)
+    y = _fprop(qx, qw, x_si * w_si, cfg)
     amaxes = (amax(x, cfg.amax_axes), amax(w, cfg.amax_axes))
     return y, (qx, qw, x_si, w_si, x_meta, w_meta, g_meta, amaxes)
 
@@ -105,12 +168,9 @@ def _fp8_dot_bwd(cfg, res, dy):
     qx, qw, x_si, w_si, x_meta, w_meta, g_meta, (x_amax, w_amax) = res
     dy_amax = amax(dy, cfg.amax_axes)
     qdy = quantize(dy, _f32(g_meta.scale), cfg.bwd_dtype)
-    dy_dq = dequantize(qdy, _f32(g_meta.scale_inv), cfg.compute_dtype)
-    x_dq = dequantize(qx, x_si, cfg.compute_dtype)
-    w_dq = dequantize(qw, w_si, cfg.compute_dtype)
-    # dgrad and wgrad: the transposes of fprop, on the FP8-rounded operands.
-    _, transpose = jax.vjp(lambda a, b: _dot(a, b, cfg), x_dq, w_dq)
-    dx, dw = transpose(dy_dq.astype(cfg.compute_dtype))
+    dy_si = _f32(g_meta.scale_inv)
+    dx = _dgrad(qdy, qw, qx.ndim, dy_si * w_si, cfg)
+    dw = _wgrad(qx, qdy, qw.ndim, x_si * dy_si, cfg)
     return (
         dx,
         dw,
@@ -151,8 +211,9 @@ def fp8_dot_general(
             as is (delayed scaling); their cotangents carry this step's amaxes.
         fwd_encoding, bwd_encoding: ``"e4m3"`` / ``"e5m2"`` for x/kernel and for the output gradient
             (``Format.fwd`` / ``Format.bwd``).
-        compute_dtype: dtype of the dequantized operands and of the result; default ``x``'s and
-            ``kernel``'s result type.
+        compute_dtype: dtype ``x``/``kernel`` are cast to before quantizing, the GEMMs'
+            ``preferred_element_type`` (float32 for float16) and the dtype of ``y``, ``dx``, ``dw``; default
+            ``x``'s and ``kernel``'s result type.
         amax_axes: mesh axis names to ``pmax`` the amaxes over (the bound ones; see ``sharding.bound_axes``).
 
     Returns:

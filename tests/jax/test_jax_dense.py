@@ -3,6 +3,8 @@
 Thresholds (torchao's, test/float8/test_base.py): >= 25 dB for an FP8 GEMM with E4M3 operands; >= 18 dB for
 outputs and gradients that went through an E5M2 gradient cast (2 mantissa bits) or two FP8 layers.
 """
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -160,3 +162,109 @@ def test_layernorm_mlp_and_dense_vs_high_precision():
         assert sqnr_db(ref_dx, dx) >= 18
         for leaf_ref, leaf in zip(jax.tree_util.tree_leaves(ref_dp), jax.tree_util.tree_leaves(dp)):
             assert sqnr_db(leaf_ref, leaf) >= 15  # norm/bias grads through two E5M2 casts
+
+
+def _dq_reference_dot(x, w, dims, metas, encodings, dy):
+    """y, dx, dw of the dequantize-then-dot emulation (the op's previous form): the FP8 roundings with the
+    metas' scales, then ``jax.vjp`` of ``lax.dot_general`` in float32 (any dimension numbers)."""
+    fwd, bwd = (fj.dot.FP8_DTYPES[e] for e in encodings)
+
+    def qdq(a, meta, dtype):
+        return fj.dot.dequantize(fj.dot.quantize(a, meta.scale, dtype), meta.scale_inv, jnp.float32)
+
+    xq, wq = qdq(x, metas[0], fwd), qdq(w, metas[1], fwd)
+    y, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims, precision="highest"), xq, wq)
+    dx, dw = vjp(qdq(dy, metas[2], bwd))
+    return y, dx, dw
+
+
+def _metas(arrays, encodings, rng):
+    """Metas with non-trivial scales (fp8_max / amax / random factor), random history, per operand."""
+    fmax = [448.0, 448.0, 448.0 if encodings[1] == "e4m3" else 57344.0]
+    out = []
+    for a, m in zip(arrays, fmax):
+        scale = np.float32(m / float(jnp.max(jnp.abs(a))) / rng.uniform(1.0, 2.0))
+        out.append(
+            fj.Fp8Meta(
+                fp8_max=jnp.float32(m),
+                amax_history=jnp.asarray(rng.uniform(0, 1, 4), jnp.float32),
+                scale=jnp.float32(scale),
+                scale_inv=jnp.float32(1.0) / jnp.float32(scale),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("encodings", [("e4m3", "e5m2"), ("e4m3", "e4m3")], ids=["hybrid", "e4m3"])
+@pytest.mark.parametrize(
+    "x_shape, w_shape, dims",
+    [
+        ((37, 48), (48, 24), (((1,), (0,)), ((), ()))),  # DenseGeneral
+        ((5, 7, 16, 3), (3, 16, 11), (((3, 2), (0, 1)), ((), ()))),  # two contracted axes, out of order
+        ((4, 9, 16), (4, 16, 10), (((2,), (1,)), ((0,), (0,)))),  # batch axis
+        ((16, 6, 4), (10, 4, 16), (((0,), (2,)), ((2,), (1,)))),  # batch and contracting axes not leading/trailing
+    ],
+    ids=["2d", "multi-contract", "batch", "permuted"],
+)
+def test_fp8_dot_general_dims_equal_dequantized_reference(encodings, x_shape, w_shape, dims):
+    """The FP8-operand GEMMs (scale after the dot) equal the dequantize-then-dot emulation for any
+    dimension numbers, forward and both gradients, to float32 rounding; the meta cotangents carry the amaxes."""
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal(x_shape).astype(np.float32) * 3.0)
+    w = jnp.asarray(rng.standard_normal(w_shape).astype(np.float32) * 0.1)
+    y_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), x, w).shape
+    dy = jnp.asarray(rng.standard_normal(y_shape).astype(np.float32) * 1e-3)
+    metas = _metas((x, w, dy), encodings, rng)
+
+    def f(x, w, mx, mw, mg):
+        return fj.fp8_dot_general(x, w, dims, mx, mw, mg, fwd_encoding=encodings[0], bwd_encoding=encodings[1])
+
+    y, vjp = jax.vjp(jax.jit(f), x, w, *metas)
+    dx, dw, dmx, dmw, dmg = vjp(dy)
+    ry, rdx, rdw = _dq_reference_dot(x, w, dims, metas, encodings, dy)
+    for got, ref in ((y, ry), (dx, rdx), (dw, rdw)):
+        assert got.shape == ref.shape and got.dtype == jnp.float32
+        atol = 1e-6 * float(jnp.max(jnp.abs(ref)))  # float32 accumulation-order rounding
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=atol)
+    for dm, m, a in ((dmx, metas[0], x), (dmw, metas[1], w), (dmg, metas[2], dy)):
+        expect = np.asarray(m.amax_history).copy()
+        expect[0] = max(expect[0], float(jnp.max(jnp.abs(a))))
+        np.testing.assert_array_equal(np.asarray(fj.to_float32(dm).amax_history), expect)
+
+
+def test_fp8_dot_general_bf16_vs_float64():
+    """bf16 compute dtype (the benchmark's): result and gradients in bf16, accurate to FP8 + bf16 rounding."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((64, 96)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((96, 80)).astype(np.float32) * 0.1)
+    dy = jnp.asarray(rng.standard_normal((64, 80)).astype(np.float32) * 1e-2)
+    metas = _metas((x, w, dy), ("e4m3", "e5m2"), rng)
+    dims = (((1,), (0,)), ((), ()))
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    y, vjp = jax.vjp(jax.jit(lambda a, b: fj.fp8_dot_general(a, b, dims, *metas)), xb, wb)
+    dx, dw = vjp(dy.astype(jnp.bfloat16))
+    assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+    x64, w64, dy64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (xb, wb, dy.astype(jnp.bfloat16)))
+    assert sqnr_db(x64 @ w64, y) >= 25  # E4M3 x and w
+    assert sqnr_db(dy64 @ w64.T, dx) >= 18  # E5M2 dy
+    assert sqnr_db(x64.T @ dy64, dw) >= 18
+
+
+def test_fp8_dot_general_gemms_take_fp8_operands():
+    """The three GEMMs are dot_generals on the FP8 arrays (the form XLA's GPU compiler rewrites into cuBLASLt
+    FP8 GEMMs): E4M3 x E4M3 forward, E5M2 gradient x E4M3 operand backward, none in a wider dtype."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (32, 48), jnp.bfloat16)
+    w = jax.random.normal(jax.random.PRNGKey(1), (48, 16), jnp.bfloat16)
+    metas = [fj.meta.new_meta(m, 4) for m in (448.0, 448.0, 57344.0)]
+
+    def loss(x, w):
+        return jnp.sum(fj.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), *metas).astype(jnp.float32))
+
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()  # custom VJP inlined
+    tensor = r"tensor<[0-9x]+x(\w+)>"
+    dots = re.findall(rf"stablehlo\.dot_general .*: \({tensor}, {tensor}\) -> {tensor}", hlo)
+    assert sorted(dots) == [
+        ("f8E4M3FN", "f8E4M3FN", "bf16"),
+        ("f8E4M3FN", "f8E5M2", "bf16"),
+        ("f8E5M2", "f8E4M3FN", "bf16"),
+    ], hlo
