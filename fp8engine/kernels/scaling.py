@@ -102,6 +102,26 @@ def _check(amax_histories, scales, fp8_maxes, algo, update_scale, op):
     return lengths.pop()
 
 
+#: Device pointer tables by the addresses they hold. Building them costs a host-to-device copy that waits for the
+#: stream to drain (it would stall the CPU once per step), so they are built once per set of buffers and reused.
+#: Bounded: a training loop touches one set (or a few, with several models).
+_POINTER_TABLES: dict = {}
+_POINTER_TABLES_MAX = 64
+
+
+def _pointer_tables(amax_histories, scales, fp8_maxes, rows, device):
+    key = (device, tuple(t.data_ptr() for t in amax_histories), tuple(t.data_ptr() for t in scales),
+           tuple(t.data_ptr() for t in fp8_maxes))
+    tables = _POINTER_TABLES.get(key)
+    if tables is None:
+        if len(_POINTER_TABLES) >= _POINTER_TABLES_MAX:
+            _POINTER_TABLES.clear()
+        host = [torch.tensor(list(k), dtype=torch.int64) for k in key[1:]]
+        host.append(torch.tensor(list(itertools.accumulate(rows)), dtype=torch.int32))
+        tables = _POINTER_TABLES[key] = tuple(t.to(device) for t in host)
+    return tables
+
+
 def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin, algo="max", update_scale=True):
     """Update ``scales`` from ``amax_histories`` and roll the histories, in place, in one launch.
 
@@ -119,14 +139,11 @@ def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin, algo="m
     rows = [h.shape[0] for h in amax_histories]
     if sum(rows) == 0 or L == 0:
         return
-    def ptrs(ts):
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)
-
-    ends = torch.tensor(list(itertools.accumulate(rows)), dtype=torch.int32, device=device)
+    hist_ptrs, scale_ptrs, max_ptrs, ends = _pointer_tables(amax_histories, scales, fp8_maxes, rows, device)
     flag_tensor = isinstance(update_scale, torch.Tensor)
     n_t = len(rows)
     _delayed_scaling_kernel[(sum(rows),)](
-        ptrs(amax_histories), ptrs(scales), ptrs(fp8_maxes), ends,
+        hist_ptrs, scale_ptrs, max_ptrs, ends,
         update_scale.reshape(1) if flag_tensor else ends, n_t, L, float(2.0**margin),
         MOST_RECENT=algo == "most_recent", UPDATE=flag_tensor or bool(update_scale), FLAG_FROM_TENSOR=flag_tensor,
         BLOCK_T=triton.next_power_of_2(n_t), BLOCK_L=triton.next_power_of_2(L), num_warps=1 if L <= 256 else 4,

@@ -127,6 +127,32 @@ class _RowParallelLinear(Linear):
         return exit_row_parallel(y, self.bias, self.tp_group, self.sequence_parallel)
 
 
+class _SplitGroupedQKV(torch.autograd.Function):
+    """Views ``q [s, b, g, h/g, d]``, ``k, v [s, b, g, d]`` of the fused projection output ``[s, b, g*(h/g+2)*d]``.
+
+    Autograd's own slicing would give each view a zero-filled full-size gradient and add the three up; this
+    backward writes dq, dk, dv once each into a single buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int):
+        grouped = mixed.view(*mixed.shape[:2], groups, heads_per_group + 2, head_dim)
+        ctx.shape, ctx.hpg = grouped.shape, heads_per_group
+        return grouped[:, :, :, :heads_per_group], grouped[:, :, :, heads_per_group], \
+            grouped[:, :, :, heads_per_group + 1]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        hpg = ctx.hpg
+        grad = dq.new_empty(ctx.shape)
+        for part, g in ((grad[:, :, :, :hpg], dq), (grad[:, :, :, hpg], dk), (grad[:, :, :, hpg + 1], dv)):
+            if g is None:
+                part.zero_()
+            else:
+                part.copy_(g)
+        return grad.flatten(2), None, None, None
+
+
 class MultiheadAttention(nn.Module):
     """Self-attention: (norm +) QKV projection, rotary embedding, scaled dot-product attention, output projection.
 
@@ -196,9 +222,8 @@ class MultiheadAttention(nn.Module):
         s, b = mixed.shape[:2]
         hl, gl, d = cfg.local_heads, cfg.local_groups, cfg.head_dim
         if self.fuse_qkv_params:
-            grouped = mixed.view(s, b, gl, hl // gl + 2, d)
-            q = grouped[:, :, :, : hl // gl].reshape(s, b, hl, d)
-            return q, grouped[:, :, :, hl // gl], grouped[:, :, :, hl // gl + 1]
+            q, k, v = _SplitGroupedQKV.apply(mixed, gl, hl // gl, d)
+            return q.reshape(s, b, hl, d), k, v
         q, k, v = mixed.split([hl * d, gl * d, gl * d], dim=-1)
         return q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d)
 
