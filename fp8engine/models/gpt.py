@@ -1,0 +1,287 @@
+"""A GPT built from fp8engine's ``TransformerLayer``: token embedding, rotary positions, N pre-norm layers, a
+final norm and an LM head tied to the embedding.
+
+Only the layers' Linears run in FP8 (inside :func:`fp8engine.autocast`); the embedding, the tied LM head and the
+cross-entropy stay in high precision (the parameters' dtype, or the ``torch.autocast`` dtype around the call),
+as in TransformerEngine/Megatron recipes: the first and last GEMMs are the most sensitive to quantization.
+
+Layout: the model takes and returns batch-first tensors (``tokens [b, s]``, ``logits [b, s, V]``); inside it
+works in TransformerEngine's ``[s, b, h]``.
+
+Tensor parallelism (``tp_group`` given): the embedding and the LM head are vocab-parallel
+(:class:`fp8engine.parallel.VocabParallelEmbedding`; the local vocab shard is read from the weight's shape), the
+layers are column/row parallel, and the loss is :func:`fp8engine.parallel.vocab_parallel_cross_entropy`.
+Everything that talks to ``torch.distributed`` lives in ``fp8engine.parallel``; this file only passes groups on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8engine.modules.attention import RotaryEmbedding
+from fp8engine.modules.norm import LayerNorm, RMSNorm
+from fp8engine.modules.transformer import TransformerLayer
+from fp8engine.parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
+                                gather_from_sequence_parallel_region, vocab_parallel_cross_entropy)
+
+__all__ = ["GPTConfig", "GPT", "GPT_CONFIGS", "FP8_ALIGN"]
+
+#: FP8 GEMMs (torch._scaled_mm / cuBLASLt) need every Linear's in/out features to be a multiple of this.
+FP8_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a GPT. Frozen; invariants are checked in ``__post_init__``.
+
+    Args:
+        n_layer: number of ``TransformerLayer`` blocks.
+        n_head: attention heads; ``hidden_size`` must divide by it, and the head dim must be even (rotary).
+        hidden_size: model width ``h``.
+        ffn_hidden_size: MLP inner width (usually ``4 * h``).
+        max_seq_len: context length the model is built and sized for (rotary table length).
+        vocab_size: embedding rows; the training command sets it from the data (256 for bytes).
+        num_gqa_groups: key/value heads for grouped-query attention (None = ``n_head``, plain MHA).
+        dropout: hidden and attention dropout probability.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``. activation: passed to ``TransformerLayer``.
+        layernorm_eps: norm epsilon. rotary_base: RoPE base ``theta``. init_std: std of the normal init
+            (output projections use ``init_std / sqrt(2 * n_layer)``, GPT-2's scaled init).
+    Raises:
+        ValueError: a size is non-positive or inconsistent; the message says which and what to change.
+    """
+
+    n_layer: int = 2
+    n_head: int = 4
+    hidden_size: int = 128
+    ffn_hidden_size: int = 512
+    max_seq_len: int = 128
+    vocab_size: int = 256
+    num_gqa_groups: Optional[int] = None
+    dropout: float = 0.0
+    normalization: str = "LayerNorm"
+    activation: str = "gelu"
+    layernorm_eps: float = 1e-5
+    rotary_base: int = 10000
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "hidden_size", "ffn_hidden_size", "max_seq_len", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int; got {value!r}")
+        if self.hidden_size % self.n_head:
+            raise ValueError(f"GPTConfig.hidden_size={self.hidden_size} must be divisible by n_head={self.n_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"GPTConfig head dim hidden_size/n_head={self.head_dim} must be even for rotary "
+                             "embeddings; change hidden_size or n_head")
+        if self.num_gqa_groups is not None and (self.num_gqa_groups < 1 or self.n_head % self.num_gqa_groups):
+            raise ValueError(f"GPTConfig.num_gqa_groups={self.num_gqa_groups} must divide n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1); got {self.dropout!r}")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"GPTConfig.normalization must be 'LayerNorm' or 'RMSNorm'; got {self.normalization!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_gqa_groups or self.n_head
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "GPTConfig":
+        """The named config (see :data:`GPT_CONFIGS`) with ``overrides`` applied.
+
+        Raises:
+            ValueError: unknown name (the message lists the known ones).
+        """
+        if name not in GPT_CONFIGS:
+            raise ValueError(f"unknown model {name!r}; choose one of {', '.join(GPT_CONFIGS)}")
+        return dataclasses.replace(GPT_CONFIGS[name], **overrides)
+
+    def fp8_problems(self, tp_size: int = 1) -> list[str]:
+        """Why this model's Linears cannot run as FP8 GEMMs with ``tp_size``-way tensor parallelism ([] if they can).
+
+        Per rank the Linears are QKV ``h -> (n_head + 2 kv_heads) * head_dim / tp``, proj ``h / tp -> h``,
+        fc1 ``h -> ffn / tp``, fc2 ``ffn / tp -> h``; each dim must be a multiple of :data:`FP8_ALIGN`.
+        """
+        qkv = (self.n_head + 2 * self.kv_heads) * self.head_dim
+        dims = {"hidden_size": self.hidden_size, "ffn_hidden_size": self.ffn_hidden_size,
+                "QKV width (n_head + 2*kv_heads)*head_dim": qkv}
+        problems = []
+        for what, dim in dims.items():
+            if dim % tp_size:
+                problems.append(f"{what}={dim} is not divisible by tp={tp_size}")
+            elif (dim // tp_size) % FP8_ALIGN:
+                per_rank = "" if tp_size == 1 else f" per rank ({dim // tp_size} with tp={tp_size})"
+                problems.append(f"{what}={dim}{per_rank} is not a multiple of {FP8_ALIGN}")
+        return problems
+
+    def num_params(self) -> int:
+        """Parameter count (the tied LM head counted once; biases and norms included), unsharded."""
+        h, f, qkv = self.hidden_size, self.ffn_hidden_size, (self.n_head + 2 * self.kv_heads) * self.head_dim
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        layer = (h * qkv + qkv) + (h * h + h) + (h * f + f) + (f * h + h) + 2 * norm
+        return self.vocab_size * h + self.n_layer * layer + norm
+
+
+#: Named sizes. ``vocab_size`` is a default: the training command replaces it with the data's vocabulary.
+GPT_CONFIGS: dict[str, GPTConfig] = {
+    # CPU default: FP8-capable (all dims multiples of 16), ~0.4M parameters, trains in minutes on 2 cores.
+    "tiny": GPTConfig(n_layer=2, n_head=4, hidden_size=128, ffn_hidden_size=512, max_seq_len=128, vocab_size=256),
+    # nanoGPT's character-level Shakespeare "baby GPT": 6 layers, 6 heads, 384 wide, context 256 (~10.7M).
+    "small": GPTConfig(n_layer=6, n_head=6, hidden_size=384, ffn_hidden_size=1536, max_seq_len=256,
+                       vocab_size=256, dropout=0.2),
+    # GPT-2 small (124M with GPT-2's 50257-token BPE padded to 50304, a multiple of 64).
+    "gpt2-124m": GPTConfig(n_layer=12, n_head=12, hidden_size=768, ffn_hidden_size=3072, max_seq_len=1024,
+                           vocab_size=50304),
+    # ~1.3B: 24 layers x 16 heads x 2048 wide, ffn 8192, context 2048 (GPT-3 XL's shape); 1.21B in the
+    # layers plus 0.10B tied embedding at vocab 50304.
+    "1b": GPTConfig(n_layer=24, n_head=16, hidden_size=2048, ffn_hidden_size=8192, max_seq_len=2048,
+                    vocab_size=50304),
+}
+
+
+def _normal_init(std: float):
+    def init(weight: torch.Tensor) -> None:
+        nn.init.normal_(weight, mean=0.0, std=std)
+    return init
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer LM.
+
+    Args:
+        config: a :class:`GPTConfig`.
+        tp_group: tensor-parallel process group (None: unsharded). Vocab-parallel embedding/LM head/loss and
+            column/row-parallel layers when given.
+        sequence_parallel: with ``tp_group``, layer norms and dropout run on sequence shards ``[s / tp, b, h]``.
+        params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
+        device: where to allocate parameters.
+    Shapes:
+        ``forward(tokens [b, s] int64)`` -> ``logits [b, s, V_local]`` (``V_local = V / tp``), or the mean
+        cross-entropy (float32 scalar) when ``targets [b, s]`` is given. ``s <= config.max_seq_len``.
+    """
+
+    def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__()
+        if sequence_parallel and tp_group is None:
+            raise ValueError("sequence_parallel=True needs a tp_group")
+        self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
+        dtype = params_dtype or torch.get_default_dtype()
+        # The unsharded model uses the same module with tp_group=None (a plain lookup), so the same seed gives
+        # the same table whether or not it is split over the vocabulary.
+        self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp_group,
+                                                reduce_scatter_embeddings=sequence_parallel,
+                                                init_method=_normal_init(config.init_std), params_dtype=dtype,
+                                                device=device)
+        self.rotary = RotaryEmbedding(config.head_dim, base=config.rotary_base)
+        layer_kwargs = dict(
+            num_gqa_groups=config.num_gqa_groups, layernorm_epsilon=config.layernorm_eps,
+            hidden_dropout=config.dropout, attention_dropout=config.dropout, self_attn_mask_type="causal",
+            normalization=config.normalization, activation=config.activation, params_dtype=dtype, device=device,
+            init_method=_normal_init(config.init_std),
+            output_layer_init_method=_normal_init(config.init_std / math.sqrt(2 * config.n_layer)))
+        if tp_group is not None:
+            layer_kwargs.update(set_parallel_mode=True, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config.hidden_size, config.ffn_hidden_size, config.n_head, **layer_kwargs)
+            for _ in range(config.n_layer))
+        norm_cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
+        self.final_norm = norm_cls(config.hidden_size, eps=config.layernorm_eps, params_dtype=dtype, device=device)
+        for p in self.final_norm.parameters():  # replicated over tp; grads summed over tp when sequence parallel
+            p.sequence_parallel = sequence_parallel
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [b, s]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` sequence parallel), dropout applied.
+
+        Dropout draws from the default generator, which is seeded alike on all tp ranks (replicated activations
+        get identical masks; sequence shards get the same pattern per shard)."""
+        hidden = self.embedding(tokens if self.sequence_parallel else tokens.t())
+        return F.dropout(hidden, self.config.dropout, self.training)
+
+    def num_params(self) -> int:
+        """Parameters held by this rank (the tied LM head counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """``tokens [b, s]`` -> ``logits [b, s, V_local]``; with ``targets [b, s]`` the mean cross-entropy instead.
+
+        ``is_first_microbatch`` is passed to every layer (FP8 weight caching during gradient accumulation).
+        """
+        b, s = tokens.shape
+        if s > self.config.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds the model's max_seq_len={self.config.max_seq_len}")
+        hidden = self._embed(tokens)                            # [s(/tp), b, h]
+        rope = self.rotary(s).to(hidden.device)                  # [s, 1, 1, head_dim]
+        for layer in self.layers:
+            hidden = layer(hidden, is_first_microbatch=is_first_microbatch, rotary_pos_emb=rope)
+        hidden = self.final_norm(hidden)
+        logits = self._lm_head(hidden)                           # [s, b, V_local]
+        if targets is None:
+            return logits.transpose(0, 1)
+        return self._loss(logits, targets.t())
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head in high precision: ``hidden @ embedding.weight.T``."""
+        if self.tp_group is not None:
+            if self.sequence_parallel:
+                hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)
+            else:
+                hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
+        return F.linear(hidden, self.embedding.weight)
+
+    def _loss(self, logits_sb: torch.Tensor, targets_sb: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is not None:
+            return vocab_parallel_cross_entropy(logits_sb.float(), targets_sb, tp_group=self.tp_group).mean()
+        return F.cross_entropy(logits_sb.float().reshape(-1, logits_sb.shape[-1]), targets_sb.reshape(-1))
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuations of ``tokens [b, t]``; returns ``[b, t + max_new_tokens]``.
+
+        The context is cropped to the last ``max_seq_len`` tokens (no KV cache: one full forward per token).
+        ``temperature <= 0`` picks the argmax; ``top_k`` keeps the k most likely tokens before sampling.
+        Unsharded models only (``tp_group`` None).
+
+        Raises:
+            ValueError: ``max_new_tokens < 0``, ``top_k < 1``, or a tensor-parallel model.
+        """
+        if self.tp_group is not None:
+            raise ValueError("generate() runs on unsharded models only (tp_group=None)")
+        if max_new_tokens < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"need max_new_tokens >= 0 and top_k >= 1; got {max_new_tokens}, {top_k}")
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                context = tokens[:, -self.config.max_seq_len:]
+                logits = self(context)[:, -1, :].float()         # [b, V]
+                next_token = _sample(logits, temperature, top_k, generator)
+                tokens = torch.cat([tokens, next_token], dim=1)
+        finally:
+            self.train(was_training)
+        return tokens
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],
+            generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``logits [b, V]`` -> ``[b, 1]`` int64."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)

@@ -1,0 +1,467 @@
+"""``python -m fp8engine.train``: train a GPT with FP8 GEMMs (or bf16/fp32) and show it learning.
+
+With no options it trains the ``tiny`` model on the bytes of this Python's standard library sources (read at run
+time) in FP8 (emulated by ``torch._scaled_mm`` on a CPU), in a few minutes on two cores: a progress bar with
+loss, tokens/s and learning rate, validation on the held-out last 10 %, and a generated sample at the end.
+
+Precision and parameter dtype:
+- ``fp32``: fp32 parameters and activations.
+- ``bf16``: fp32 parameters (the optimizer's master weights), forward under ``torch.autocast(bfloat16)``.
+- ``fp8``: fp32 parameters; the TransformerLayers' GEMMs run in FP8 inside :func:`fp8engine.autocast`; on CUDA
+  the rest of the forward also runs under ``torch.autocast(bfloat16)``, on the CPU it stays fp32. Embedding, LM
+  head and loss never run in FP8.
+
+Keeping fp32 parameters costs memory but keeps AdamW's small updates exact, and FP8 casts the weights from them
+at every step anyway (TransformerEngine's recipe keeps fp32 master weights too).
+
+Determinism: the batch of step ``t`` is a pure function of ``(--seed, t)`` (:mod:`fp8engine.training.data`) and
+checkpoints hold every RNG state and the FP8 scaling buffers, so on the CPU a run stopped at step ``k``
+(``--stop-at k``, or Ctrl-C, which checkpoints the last finished step) and continued with ``--resume`` logs
+exactly the losses of an uninterrupted run.
+
+Bad input exits with status 2 and one line saying what to change, before anything is written to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+import fp8engine
+from fp8engine.fp8.autocast import FP8Context, recompute_context
+from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
+from fp8engine.parallel import all_reduce_sequence_parallel_grads
+from fp8engine.training import UsageError
+from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, capture_rng_state, load_checkpoint,
+                                           restore_rng_state, save_checkpoint)
+from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm, env_world_size,
+                                            SHARDED_DIR, has_sharded, init_layout, load_sharded, save_sharded)
+from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
+from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
+
+__all__ = ["main", "build_parser", "lr_at"]
+
+#: Per-model defaults for options left unset: (steps, batch size, learning rate).
+_MODEL_DEFAULTS = {"tiny": (600, 16, 3e-3), "small": (5000, 64, 1e-3), "gpt2-124m": (20000, 16, 6e-4),
+                   "1b": (20000, 8, 3e-4)}
+#: Options that define a run; ``--resume`` refuses to continue a checkpoint written with different values.
+_RUN_IDENTITY = ("model", "precision", "recipe", "batch_size", "seq_len", "lr", "dropout", "grad_accum", "seed",
+                 "weight_decay", "warmup_steps", "data", "n_layer", "n_head", "hidden_size", "ffn_hidden_size", "tp",
+                 "sequence_parallel", "world_size")
+_SAMPLE_TEMPERATURE, _SAMPLE_TOP_K = 0.8, 40
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fp8engine.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", help="text file (byte-level tokens) or directory with nanoGPT train.bin/val.bin "
+                                  "(uint16); default: this Python's standard-library .py sources")
+    p.add_argument("--model", default="tiny", choices=list(GPT_CONFIGS), help="named model size")
+    p.add_argument("--n-layer", type=int, help="override the model's layer count")
+    p.add_argument("--n-head", type=int, help="override the model's attention heads")
+    p.add_argument("--hidden-size", type=int, help="override the model's width")
+    p.add_argument("--ffn-hidden-size", type=int, help="override the model's MLP width")
+    p.add_argument("--precision", default="fp8", choices=("fp8", "bf16", "fp32"))
+    p.add_argument("--recipe", default="delayed", choices=("delayed", "current"), help="FP8 scaling recipe")
+    p.add_argument("--steps", type=int, help="optimizer steps (default per model: tiny 600)")
+    p.add_argument("--stop-at", type=int, help="end this run after this step, checkpointed, keeping the LR "
+                                               "schedule of --steps; continue with --resume")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default per model: tiny 16)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--lr", type=float, help="peak AdamW learning rate (default per model: tiny 3e-3)")
+    p.add_argument("--warmup-steps", type=int, help="linear warm-up steps before the cosine decay "
+                                                    "(default: --steps // 10, at most 100)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices")
+    p.add_argument("--dropout", type=float, help="dropout probability (default: the model's)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--eval-interval", type=int, help="evaluate every N steps (and at the end; default steps/4)")
+    p.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun; the other "
+                                                     "processes form data-parallel replicas)")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp: norms/dropout on sequence shards")
+    p.add_argument("--out", help="directory for metrics.jsonl, checkpoint.pt and loss.png")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--sample-tokens", type=int, default=300, help="tokens to generate at the end (0: none)")
+    return p
+
+
+def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    steps, batch, lr = _MODEL_DEFAULTS[args.model]
+    args.steps = steps if args.steps is None else args.steps
+    args.batch_size = batch if args.batch_size is None else args.batch_size
+    args.lr = lr if args.lr is None else args.lr
+    if args.warmup_steps is None:
+        args.warmup_steps = min(100, args.steps // 10)
+    if args.eval_interval is None:
+        args.eval_interval = max(1, args.steps // 4)
+    for name in ("steps", "batch_size", "grad_accum", "eval_interval", "eval_iters"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        raise UsageError(f"--stop-at must be between 1 and --steps ({args.steps}); got {args.stop_at}")
+    if args.lr <= 0 or args.warmup_steps < 0:
+        raise UsageError("--lr must be positive and --warmup-steps non-negative")
+    args.world_size = env_world_size()
+    if args.resume and not args.out:
+        raise UsageError("--resume needs --out DIR, the directory of the run to continue")
+    return args
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Learning rate of 1-based ``step``: linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to
+    ``min_ratio * peak`` at ``total`` (nanoGPT's schedule)."""
+    if step <= warmup:
+        return peak * step / max(1, warmup)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _resolve_device(requested: Optional[str]) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is visible to this torch "
+                         f"({torch.__version__}); use --device cpu")
+    if requested is None:
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(requested)
+
+
+def _model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
+    base = GPT_CONFIGS[args.model]
+    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "hidden_size", "ffn_hidden_size")
+                 if getattr(args, k) is not None}
+    overrides.update(vocab_size=vocab_size, max_seq_len=args.seq_len or base.max_seq_len)
+    if args.dropout is not None:
+        overrides["dropout"] = args.dropout
+    try:
+        config = GPTConfig.from_name(args.model, **overrides)
+    except ValueError as err:
+        raise UsageError(f"--model {args.model} with these sizes is invalid: {err}") from None
+    if args.precision == "fp8":
+        problems = config.fp8_problems()
+        if problems:
+            raise UsageError(f"--model {args.model} cannot run in FP8: {problems[0]}; use sizes that are "
+                             "multiples of 16 or --precision bf16")
+    return config
+
+
+def _check_precision(args: argparse.Namespace, device: torch.device) -> None:
+    if args.precision == "fp8":
+        ok, reason = fp8engine.is_fp8_available(device)
+        if not ok:
+            raise UsageError(f"--precision fp8 cannot run on {device}: {reason} Use --precision bf16")
+
+
+@dataclass
+class Run:
+    """Everything a training run needs, validated."""
+
+    args: argparse.Namespace
+    device: torch.device
+    data: TokenData
+    config: GPTConfig
+    out: Optional[Path]
+    checkpoint: Optional[dict[str, Any]]
+    layout: Layout = dataclasses.field(default_factory=Layout)
+
+
+def prepare(args: argparse.Namespace) -> Run:
+    """Validate every input before anything is written (raises :class:`UsageError`)."""
+    args = _fill_defaults(args)
+    device = _resolve_device(args.device)
+    _check_precision(args, device)
+    data = load_data(args.data)
+    config = _model_config(args, data.vocab_size)
+    args.seq_len = config.max_seq_len
+    check_seq_len(data, args.seq_len)
+    check_layout(args.tp, args.sequence_parallel, config, args.seq_len, args.precision == "fp8")
+    out = Path(args.out) if args.out else None
+    checkpoint = None
+    if out is not None and out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a directory")
+    if args.resume:
+        checkpoint = (load_checkpoint(out) if args.world_size == 1 or not has_sharded(out)
+                      else load_sharded(out, int(os.environ.get("RANK", "0"))))
+        _check_same_run(checkpoint["settings"], args)
+        if checkpoint["step"] >= args.steps:
+            raise UsageError(f"--resume: the checkpoint is already at step {checkpoint['step']}; pass "
+                             f"--steps larger than that to train further")
+    elif out is not None and ((out / CHECKPOINT_NAME).exists() or has_sharded(out)):
+        raise UsageError(f"--out {out} already holds a checkpoint; pass --resume to continue it or choose "
+                         "another --out")
+    return Run(args, device, data, config, out, checkpoint)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in _RUN_IDENTITY} | {"steps": args.steps}
+
+
+def _check_same_run(saved: dict[str, Any], args: argparse.Namespace) -> None:
+    for key in _RUN_IDENTITY:
+        if saved.get(key) != getattr(args, key):
+            flag = "--" + key.replace("_", "-")
+            raise UsageError(f"--resume: the checkpoint was written with {flag} {saved.get(key)}, this run has "
+                             f"{getattr(args, key)}; pass {flag} {saved.get(key)} or use a new --out")
+
+
+def _precision_context(args: argparse.Namespace, device: torch.device, train: bool, amax_group=None):
+    """Context for one forward: torch.autocast(bf16) where it applies, plus the FP8 region.
+
+    Training forwards use ``fp8engine.autocast`` (delayed scaling updates its scales at exit). Evaluation and
+    sampling use the current scales without recording amaxes or updating them, so they do not change the run.
+    """
+    stack = contextlib.ExitStack()
+    if args.precision == "bf16" or (args.precision == "fp8" and device.type == "cuda"):
+        stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+    if args.precision == "fp8":
+        recipe = fp8engine.DelayedScaling() if args.recipe == "delayed" else fp8engine.CurrentScaling()
+        stack.enter_context(fp8engine.fp8_autocast(True, recipe, fp8_group=amax_group) if train
+                            else recompute_context(FP8Context(recipe, amax_group)))
+    return stack
+
+
+def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(run.args.seed)  # same on every rank: tp shards are slices of the same unsharded init
+    layout = run.layout
+    model = GPT(run.config, tp_group=layout.tp_group, sequence_parallel=run.args.sequence_parallel,
+                device=run.device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": run.args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=run.args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if run.checkpoint is not None:
+        model.load_state_dict(run.checkpoint["model"])
+        optimizer.load_state_dict(run.checkpoint["optimizer"])
+    step_model = model
+    if layout.dp_size > 1:
+        # broadcast_buffers=False: the FP8 amax histories hold this rank's gradient amaxes until the next
+        # autocast exit reduces them over the dp group; a buffer broadcast would overwrite them with rank 0's.
+        step_model = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=layout.dp_group, broadcast_buffers=False,
+            device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    if run.args.compile:
+        step_model = torch.compile(step_model)
+    return model, step_model, optimizer
+
+
+def _train_step(run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
+    """One optimizer step of ``--grad-accum`` micro-batches (per dp replica); returns the mean loss over the
+    global batch."""
+    args, layout, total = run.args, run.layout, 0.0
+    for micro in range(args.grad_accum):
+        index = micro * layout.dp_size + layout.dp_rank
+        x, y = get_batch(run.data.train, args.batch_size, args.seq_len, batch_seed(args.seed, "train", step, index))
+        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        first = None if args.grad_accum == 1 else micro == 0
+        last = micro == args.grad_accum - 1
+        sync = contextlib.nullcontext() if last or layout.dp_size == 1 else model.no_sync()
+        with sync:
+            with _precision_context(args, run.device, train=True, amax_group=layout.dp_group):
+                loss = model(x, y, is_first_microbatch=first)
+            (loss / args.grad_accum).backward()
+        total += loss.item()
+    if args.sequence_parallel:
+        all_reduce_sequence_parallel_grads(model, layout.tp_group)
+    clip_grad_norm(model.parameters(), 1.0, layout.tp_group)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return all_reduce_sum([total / args.grad_accum], layout.dp_group, run.device)[0] / layout.dp_size
+
+
+@torch.no_grad()
+def evaluate(run: Run, model: torch.nn.Module) -> float:
+    """Mean loss over ``--eval-iters`` fixed validation batches (the same batches at every evaluation; dp
+    replicas split them)."""
+    args, layout = run.args, run.layout
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(layout.dp_rank, args.eval_iters, layout.dp_size):
+        x, y = get_batch(run.data.val, args.batch_size, args.seq_len, batch_seed(args.seed, "val", i, 0))
+        with _precision_context(args, run.device, train=False):
+            total += model(x.to(run.device), y.to(run.device)).item()
+        count += 1
+    model.train()
+    total, count = all_reduce_sum([total, count], layout.dp_group, run.device)
+    return total / count
+
+
+def _save(run: Run, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> None:
+    if run.out is None:
+        return
+    state = {
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+        "data_position": {"next_step": step + 1, "sampler": "batch_seed(seed, split, step, micro)"},
+        "rng": capture_rng_state(), "settings": _settings(run.args), "config": dataclasses.asdict(run.config)}
+    if run.layout.world_size > 1:
+        save_sharded(run.out, run.layout, state, step)
+    else:
+        save_checkpoint(run.out, state)
+
+
+class _GracefulStop:
+    """First Ctrl-C (SIGINT) asks the loop to stop after the current step, checkpointed; a second one aborts."""
+
+    def __init__(self, enabled: bool = True):
+        self.requested, self.enabled = False, enabled
+        self._previous = None
+
+    def __enter__(self):
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The training loop; returns the last finished step (checkpointed when ``--out`` is given)."""
+    args = run.args
+    start = 0 if run.checkpoint is None else run.checkpoint["step"]
+    if run.checkpoint is not None:
+        restore_rng_state(run.checkpoint["rng"])
+    end = args.stop_at or args.steps
+    main_rank = run.layout.is_main
+    log = MetricsLog(run.out if main_rank else None, resume_step=start if run.checkpoint is not None else None)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * run.layout.dp_size
+    bar = tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
+               disable=not main_rank)
+    step = start
+    # Multi-rank runs keep Ctrl-C's default (ranks could stop at different steps and hang a collective).
+    with _GracefulStop(enabled=run.layout.world_size == 1) as stop:
+        try:
+            for step in range(start + 1, end + 1):
+                record = _one_step(run, step_model, optimizer, step, tokens_per_step)
+                if step % args.eval_interval == 0 or step == args.steps:
+                    record["val_loss"] = evaluate(run, model)
+                    if main_rank:
+                        bar.write(f"step {step}: train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f}")
+                log.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                lr=f"{record['lr']:.2e}")
+                bar.update(1)
+                if "val_loss" in record or step == end or stop.requested:
+                    _save(run, model, optimizer, step)
+                if stop.requested:
+                    bar.write(f"stopped at step {step}" + (f"; continue with --resume --out {run.out}"
+                                                           if run.out else ""))
+                    break
+        finally:
+            bar.close()
+            log.close()
+    return step
+
+
+def _one_step(run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+              tokens_per_step: int) -> dict[str, Any]:
+    args = run.args
+    lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    t0 = time.perf_counter()
+    loss = _train_step(run, model, optimizer, step)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
+
+
+def sample(run: Run, model: GPT, num_tokens: int) -> str:
+    """Generate ``num_tokens`` after a newline (or the first validation token), decoded when the vocabulary is
+    known, else as token ids. Deterministic for a given ``--seed``."""
+    data = run.data
+    prompt = (data.encode("\n") if data.encode is not None else []) or [int(data.val[0])]
+    tokens = torch.tensor([prompt], dtype=torch.long, device=run.device)
+    gen = torch.Generator(device=run.device).manual_seed(run.args.seed)
+    with _precision_context(run.args, run.device, train=False):
+        out = model.generate(tokens, num_tokens, temperature=_SAMPLE_TEMPERATURE, top_k=_SAMPLE_TOP_K,
+                             generator=gen)
+    new = out[0, len(prompt):].tolist()
+    return data.decode(new) if data.decode is not None else " ".join(map(str, new))
+
+
+def _write_run_files(run: Run) -> None:
+    run.out.mkdir(parents=True, exist_ok=True)
+    config = {"settings": _settings(run.args), "model": dataclasses.asdict(run.config),
+              "data": run.data.description, "device": str(run.device), "torch": torch.__version__}
+    atomic_write(run.out / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def _describe(run: Run, model: GPT) -> str:
+    a = run.args
+    fp8 = f" ({a.recipe} scaling)" if a.precision == "fp8" else ""
+    par = f", dp {run.layout.dp_size} x tp {run.layout.tp_size}" if run.layout.world_size > 1 else ""
+    return (f"fp8engine.train: {a.model} GPT, {model.num_params():,} parameters{' per rank' if par else ''}, "
+            f"{a.precision}{fp8} on {run.device}{par}\n  data: {run.data.description}; {len(run.data.train):,} train / "
+            f"{len(run.data.val):,} val tokens\n  {a.steps} steps x {a.grad_accum} x {a.batch_size} x "
+            f"{a.seq_len} tokens, AdamW lr {a.lr:g} (warm-up {a.warmup_steps}, cosine)")
+
+
+def _finish(run: Run, model: GPT, last_step: int) -> None:
+    if not run.layout.is_main:
+        return
+    records = read_metrics(run.out / "metrics.jsonl") if run.out else []
+    if run.out is not None and records:
+        plot_losses(records, run.out / PLOT_NAME, title=f"{run.args.model} GPT, {run.args.precision}")
+    if last_step == run.args.steps and run.args.sample_tokens > 0 and run.layout.tp_size == 1:
+        text = sample(run, model, run.args.sample_tokens)
+        print(f"--- sample (temperature {_SAMPLE_TEMPERATURE}, top-k {_SAMPLE_TOP_K}) ---\n{text}\n---")
+    if run.out is not None:
+        ckpt = run.out / (CHECKPOINT_NAME if run.layout.world_size == 1 else SHARDED_DIR)
+        print(f"wrote {run.out / 'metrics.jsonl'}, {ckpt}, {run.out / PLOT_NAME}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``python -m fp8engine.train`` / ``fp8engine-train``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        run = prepare(args)
+    except UsageError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"fp8engine.train: error: {err}", file=sys.stderr)
+        return 2
+    run.layout = init_layout(args.tp, run.device)
+    if run.device.type == "cuda":
+        run.device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        if run.out is not None and run.checkpoint is None and run.layout.is_main:
+            _write_run_files(run)
+        model, step_model, optimizer = _build(run)
+        if run.layout.is_main:
+            print(_describe(run, model), flush=True)
+        t0 = time.perf_counter()
+        last = train(run, model, step_model, optimizer)
+        if run.layout.is_main:
+            print(f"trained to step {last} in {time.perf_counter() - t0:.1f} s", flush=True)
+        _finish(run, model, last)
+    finally:
+        if run.layout.world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Data x tensor parallel training under ``torchrun``: layout checks, gradient helpers, per-rank checkpoints.
+
+Layout (``fp8engine.parallel.init_parallel``): ``world = dp * tp``, tp innermost. Every tp rank of a data-parallel
+replica sees the same batch; dp replica ``r`` takes micro-batch ``micro * dp + r`` of the step, so the global
+batch of a step does not depend on how it is split (with dp = 1 it is exactly the single-process batch).
+
+Checkpoints of multi-rank runs are per-rank ``torch.save`` files in ``<out>/checkpoint/step_<k>/rank<r>.pt``:
+every rank writes its own (atomically), all ranks meet at a barrier, then rank 0 atomically points
+``<out>/checkpoint/latest`` at the new step and removes the previous one, so ``latest`` always names a complete
+set. (``torch.distributed.checkpoint`` would de-duplicate our tensor-parallel shards, which are plain tensors
+with the same names on every tp rank, not DTensors; resuming therefore needs the same ``--tp`` and world size.)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from fp8engine.training import UsageError
+from fp8engine.training.checkpoint import atomic_write
+
+__all__ = ["Layout", "env_world_size", "check_layout", "init_layout", "clip_grad_norm", "all_reduce_sum",
+           "save_sharded", "load_sharded", "has_sharded", "SHARDED_DIR"]
+
+SHARDED_DIR = "checkpoint"
+
+
+@dataclass
+class Layout:
+    """This process's place in the ``dp x tp`` grid (all sizes 1 and groups None for a single process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_size: int = 1
+    dp_group: Any = None
+    tp_group: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world_size() -> int:
+    """``WORLD_SIZE`` set by ``torchrun`` (1 when not launched by it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(tp: int, sequence_parallel: bool, config, seq_len: int, fp8: bool) -> None:
+    """Raise :class:`UsageError` when ``--tp``/``--sequence-parallel`` cannot work with this launch and model."""
+    world = env_world_size()
+    if tp < 1 or world % tp:
+        raise UsageError(f"--tp {tp} must divide the number of processes ({world}); launch with "
+                         f"torchrun --nproc-per-node {max(tp, 1)} (or a multiple of it)")
+    if sequence_parallel and tp == 1:
+        raise UsageError("--sequence-parallel needs --tp 2 or more")
+    if tp == 1:
+        return
+    for name, value in (("n_head", config.n_head), ("kv heads", config.kv_heads),
+                        ("ffn_hidden_size", config.ffn_hidden_size), ("vocab size", config.vocab_size)):
+        if value % tp:
+            raise UsageError(f"--tp {tp} does not divide the model's {name} ({value}); choose a --tp that does")
+    if sequence_parallel and seq_len % tp:
+        raise UsageError(f"--sequence-parallel needs --seq-len divisible by --tp {tp}; got {seq_len}")
+    if fp8 and config.fp8_problems(tp):
+        raise UsageError(f"--tp {tp} leaves FP8 GEMMs misaligned: {config.fp8_problems(tp)[0]}; use a smaller "
+                         "--tp or --precision bf16")
+
+
+def init_layout(tp: int, device: torch.device) -> Layout:
+    """Initialise ``torch.distributed`` from ``torchrun``'s environment when there is more than one process."""
+    if env_world_size() == 1:
+        return Layout()
+    from fp8engine.parallel import init_parallel
+
+    env = init_parallel(tp, backend=None if device.type == "cuda" else "gloo")
+    return Layout(dist.get_rank(), dist.get_world_size(), env.dp_rank, env.dims.dp, env.dims.tp,
+                  env.dp_group if env.dims.dp > 1 else None, env.tp_group if env.dims.tp > 1 else None)
+
+
+def all_reduce_sum(values: list[float], group, device) -> list[float]:
+    """SUM a few Python floats across ``group`` (identity for None)."""
+    if group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_group) -> float:
+    """Clip to a global L2 norm ``max_norm``; returns the norm before clipping.
+
+    With tensor parallelism a parameter holding a shard contributes its local sum of squares, summed over
+    ``tp_group``; a replicated one (norms and row-parallel biases, marked with a ``sequence_parallel``
+    attribute by the layers) is counted once (Megatron's ``clip_grad_norm_fp32``).
+    """
+    params = [p for p in params if p.grad is not None]
+    if tp_group is None:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    sharded = [p.grad for p in params if not hasattr(p, "sequence_parallel")]
+    replicated = [p.grad for p in params if hasattr(p, "sequence_parallel")]
+    device = params[0].grad.device
+    sq_sharded = sum((g.float().pow(2).sum() for g in sharded), torch.zeros((), device=device))
+    dist.all_reduce(sq_sharded, group=tp_group)
+    sq = sq_sharded + sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=device))
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return float(norm)
+
+
+def _root(out: Path) -> Path:
+    return Path(out) / SHARDED_DIR
+
+
+def save_sharded(out: Path, layout: Layout, state: dict[str, Any], step: int) -> None:
+    """Every rank saves ``state`` for ``step``; ``latest`` moves to it once all ranks have written."""
+    step_dir = _root(out) / f"step_{step}"
+    step_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(step_dir / f"rank{layout.rank}.pt", lambda tmp: torch.save(state, tmp))
+    dist.barrier()
+    if layout.is_main:
+        latest = _root(out) / "latest"
+        previous = latest.read_text().strip() if latest.is_file() else None
+        atomic_write(latest, lambda tmp: tmp.write_text(step_dir.name + "\n"))
+        if previous and previous != step_dir.name:
+            shutil.rmtree(_root(out) / previous, ignore_errors=True)
+    dist.barrier()
+
+
+def has_sharded(out: Path) -> bool:
+    return (_root(out) / "latest").is_file()
+
+
+def load_sharded(out: Path, rank: int) -> Optional[dict[str, Any]]:
+    """This rank's state from the step ``latest`` names, or None when there is no sharded checkpoint.
+
+    Raises:
+        UsageError: ``latest`` names a step without this rank's file (written by a different world size).
+    """
+    latest = _root(out) / "latest"
+    if not latest.is_file():
+        return None
+    path = _root(out) / latest.read_text().strip() / f"rank{rank}.pt"
+    if not path.is_file():
+        raise UsageError(f"--resume: {path} is missing; resume with the world size and --tp of the saved run")
+    return torch.load(path, map_location="cpu", weights_only=False)
+

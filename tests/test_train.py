@@ -1,0 +1,239 @@
+"""The training command: data and batches, LR schedule, a learning run, exact resume, bad-input exits."""
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fp8engine.train import lr_at, main
+from fp8engine.training.data import batch_seed, get_batch, load_data, stdlib_corpus
+from fp8engine.training.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+# Small and quick: the tiny model's shape at a short context and batch.
+QUICK = ["--batch-size", "4", "--seq-len", "32", "--eval-iters", "2", "--sample-tokens", "0"]
+
+
+def _cli(*args, cwd=None):
+    """Run the command in a fresh interpreter: (returncode, stdout, stderr)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "fp8engine.train", *map(str, args)], cwd=cwd or REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """40 kB of varied text (drawn from the standard-library corpus)."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(stdlib_corpus(max_bytes=40_000)[0])
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- data, schedule
+
+def test_lr_schedule():
+    peak, warm, total = 1e-3, 10, 110
+    assert lr_at(1, peak, warm, total) == pytest.approx(1e-4)
+    assert lr_at(10, peak, warm, total) == pytest.approx(peak)
+    assert lr_at(60, peak, warm, total) == pytest.approx(peak * (0.1 + 0.9 * 0.5))
+    assert lr_at(110, peak, warm, total) == pytest.approx(0.1 * peak)
+    lrs = [lr_at(s, peak, warm, total) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint8)
+    x1, y1 = get_batch(tokens, 8, 33, batch_seed(1, "train", 5, 0))
+    x2, y2 = get_batch(tokens, 8, 33, batch_seed(1, "train", 5, 0))
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert x1.shape == (8, 33) and x1.dtype == torch.int64
+    torch.testing.assert_close(x1[:, 1:], y1[:, :-1], rtol=0, atol=0)  # targets are the next tokens
+    for other in (batch_seed(1, "train", 6, 0), batch_seed(1, "train", 5, 1), batch_seed(2, "train", 5, 0),
+                  batch_seed(1, "val", 5, 0)):
+        assert not torch.equal(x1, get_batch(tokens, 8, 33, other)[0])
+
+
+def test_load_text_and_stdlib(text_file):
+    data = load_data(str(text_file))
+    assert data.vocab_size == 256 and len(data.train) + len(data.val) == 40_000
+    assert len(data.val) == 4000  # the held-out last 10 %
+    assert data.decode(data.encode("héllo")) == "héllo"
+    default = load_data(None)
+    assert "standard library" in default.description and len(default.train) > 100_000
+    assert b"def " in bytes(default.train[:50_000])
+
+
+def test_load_token_bins(tmp_path):
+    rng = np.random.default_rng(0)
+    rng.integers(0, 65, 3000).astype(np.uint16).tofile(tmp_path / "train.bin")
+    rng.integers(0, 65, 500).astype(np.uint16).tofile(tmp_path / "val.bin")
+    data = load_data(str(tmp_path))
+    assert data.vocab_size == 50304 and data.decode is None and len(data.train) == 3000
+    chars = [chr(ord("A") + i) for i in range(65)]
+    with open(tmp_path / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)),
+                     "stoi": {c: i for i, c in enumerate(chars)}}, f)
+    data = load_data(str(tmp_path))
+    assert data.vocab_size == 65 and data.decode(data.encode("ABC")) == "ABC"
+
+
+def test_token_bins_train_and_sample(tmp_path, capsys):
+    """A nanoGPT-style token directory trains end to end, with the vocabulary from meta.pkl and a decoded sample."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4000), ("val", 600)):
+        rng.integers(0, 65, n).astype(np.uint16).tofile(tmp_path / f"{split}.bin")
+    chars = [chr(ord("0") + i) for i in range(65)]
+    with open(tmp_path / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}},
+                    f)
+    args = ["--data", tmp_path, "--steps", "3", *QUICK[:-2], "--sample-tokens", "12", "--precision", "fp32"]
+    assert main(list(map(str, args))) == 0
+    sample = capsys.readouterr().out.split("---\n")[1].splitlines()[0]
+    assert len(sample) == 12 and set(sample) <= set(chars)
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+def test_default_run_learns(tmp_path):
+    """The no-option command (FP8, tiny model, standard-library bytes), shortened: progress bar with loss,
+    tokens/s and lr; metrics, loss.png and a checkpoint in --out; validation; a sample; the loss falls."""
+    out = tmp_path / "run"
+    rc, stdout, stderr = _cli("--steps", "40", "--batch-size", "8", "--seq-len", "64", "--eval-interval", "20",
+                              "--eval-iters", "2", "--sample-tokens", "40", "--out", out)
+    assert rc == 0, stderr
+    assert "fp8" in stdout and "--- sample" in stdout
+    assert "loss=" in stderr and "tok_s=" in stderr and "lr=" in stderr
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 41))
+    assert all({"step", "loss", "lr", "tokens_per_s"} <= r.keys() for r in records)
+    assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
+    losses = [r["loss"] for r in records]
+    assert losses[0] > 5.0  # ~ln(256) = 5.55 at initialisation
+    assert np.mean(losses[-5:]) < losses[0] - 1.5
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 40 and {"model", "optimizer", "rng", "data_position", "settings"} <= ckpt.keys()
+    assert any(k.endswith("amax_history") for k in ckpt["model"])  # FP8 scaling state is checkpointed
+
+
+def _losses(out):
+    return [(r["step"], r["loss"], r.get("val_loss")) for r in read_metrics(out / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("precision,recipe", [("fp32", "delayed"), ("fp8", "delayed"), ("fp8", "current")])
+def test_resume_is_exact(tmp_path, text_file, precision, recipe):
+    """Stopped at step 5 and resumed to 10 == an uninterrupted 10-step run, loss for loss (dropout on, so the
+    RNG state must be restored too; grad-accum 2 exercises FP8 weight caching)."""
+    common = ["--data", text_file, "--steps", "10", "--eval-interval", "3", "--dropout", "0.1", "--grad-accum", "2",
+              "--precision", precision, "--recipe", recipe, *QUICK]
+    common = list(map(str, common))
+    assert main(common + ["--out", str(tmp_path / "full")]) == 0
+    assert main(common + ["--out", str(tmp_path / "split"), "--stop-at", "5"]) == 0
+    assert [s for s, _, _ in _losses(tmp_path / "split")] == [1, 2, 3, 4, 5]
+    assert main(common + ["--out", str(tmp_path / "split"), "--resume"]) == 0
+    full, split = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    assert len(full) == 10 and sum(v is not None for _, _, v in full) == 4  # evals at 3, 6, 9, 10
+    assert split == full  # exact float equality
+
+
+def test_resume_refuses_a_different_run(tmp_path, text_file, capsys):
+    args = ["--data", str(text_file), "--steps", "4", "--precision", "fp32", *QUICK, "--out", str(tmp_path)]
+    assert main(args + ["--stop-at", "2"]) == 0
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    capsys.readouterr()
+    assert main(args + ["--resume", "--lr", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr" in err and err.count("\n") == 1
+    assert main(args) == 2  # a fresh run into a directory holding a checkpoint
+    assert "--resume" in capsys.readouterr().err
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+def _bad_cases(tmp):
+    empty = tmp / "empty.txt"
+    empty.write_text("")
+    short = tmp / "short.txt"
+    short.write_text("x" * 100)
+    cases = {
+        "missing data": (["--data", tmp / "nope.txt"], "no such file"),
+        "empty data": (["--data", empty], "empty"),
+        "seq-len longer than data": (["--data", short, "--seq-len", "64"], "--seq-len"),
+        "dims not FP8-capable": (["--hidden-size", "72", "--ffn-hidden-size", "288"], "multiple of 16"),
+        "resume without checkpoint": (["--resume"], "no checkpoint"),
+    }
+    if not torch.cuda.is_available():
+        cases["cuda without GPU"] = (["--device", "cuda"], "--device cpu")
+    return cases
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """Launch every bad-input command at once (each is a fresh interpreter) and collect the results."""
+    tmp = tmp_path_factory.mktemp("bad")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = {}
+    for i, (name, (args, _)) in enumerate(_bad_cases(tmp).items()):
+        out = tmp / f"out{i}"
+        cmd = [sys.executable, "-m", "fp8engine.train", *map(str, args), "--out", str(out)]
+        procs[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True), out)
+    results = {}
+    for name, (proc, out) in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        results[name] = (proc.returncode, stdout, stderr, out)
+    return results, _bad_cases(tmp)
+
+
+@pytest.mark.parametrize("case", ["missing data", "empty data", "seq-len longer than data", "dims not FP8-capable",
+                                  "resume without checkpoint", "cuda without GPU"])
+def test_bad_input_exits_2_with_one_line(bad_runs, case):
+    results, cases = bad_runs
+    if case not in results:
+        pytest.skip("a GPU is visible")
+    rc, stdout, stderr, out = results[case]
+    assert rc == 2, stderr
+    assert "Traceback" not in stderr and stdout == ""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fp8engine.train: error:")
+    assert cases[case][1] in lines[0]
+    assert not out.exists()  # nothing written to --out
+
+
+# --------------------------------------------------------------------------------------------- multi-process
+
+def _torchrun(nproc, *args):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    with socket.socket() as sock:  # a free port for the rendezvous (torchrun's port 0 is not portable)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(port),
+           "-m", "fp8engine.train", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_tensor_and_data_parallel_runs_match_one_process(tmp_path, text_file):
+    """2 gloo processes as tp=2 with sequence parallelism, and as dp=2, log the losses of the same run in one
+    process (fp32; up to summation order); the dp run also resumes from its per-rank checkpoint."""
+    common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--precision", "fp32", *QUICK]
+    assert main(list(map(str, common + ["--grad-accum", "2", "--out", tmp_path / "one"]))) == 0
+    _torchrun(2, *common, "--grad-accum", "2", "--tp", "2", "--sequence-parallel", "--out", tmp_path / "tp")
+    _torchrun(2, *common, "--out", tmp_path / "dp", "--stop-at", "3")
+    _torchrun(2, *common, "--out", tmp_path / "dp", "--resume")
+    one = _losses(tmp_path / "one")
+    for run in ("tp", "dp"):
+        other = _losses(tmp_path / run)
+        assert [s for s, _, _ in other] == [s for s, _, _ in one]
+        np.testing.assert_allclose([l for _, l, _ in other], [l for _, l, _ in one], rtol=1e-4)
+        np.testing.assert_allclose([v for _, _, v in other if v], [v for _, _, v in one if v], rtol=1e-4)
+    assert (tmp_path / "dp" / "checkpoint" / "latest").read_text().strip() == "step_6"
