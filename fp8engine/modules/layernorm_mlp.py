@@ -11,8 +11,7 @@ from fp8engine.modules.base import FP8Module
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
                                                 exit_row_parallel, master_weight, new_param, shard, tp_size_rank)
 from fp8engine.ops.linear import linear_main_grad
-from fp8engine.ops.linear import fp8_linear
-from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, activation, activation_cast
+from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, _unfused_fp8_mlp, activation, fp8_mlp
 from fp8engine.ops.norm_linear import NORMALIZATIONS, norm, norm_cast
 
 __all__ = ["LayerNormMLP"]
@@ -44,6 +43,10 @@ class LayerNormMLP(FP8Module):
     Raises:
         ValueError: unknown activation/normalization, or the tp size does not divide ``F``.
     """
+
+    #: FP8 path: fc1 -> activation -> fc2 as one autograd node (:func:`fp8engine.ops.mlp.fp8_mlp`). False runs
+    #: the equivalent three-node composition (tests compare the two).
+    _fused = True
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu",
                  normalization: str = "LayerNorm", bias: bool = True, eps: float = 1e-5,
@@ -118,12 +121,10 @@ class LayerNormMLP(FP8Module):
                                    plan=plan, transpose=grad)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         w1 = self.fp8_weight("fc1_weight", self.fc1_weight, "fc1_weight", plan, is_first_microbatch)
-        h = fp8_linear(total, self.fc1_weight, self.fc1_bias, st, plan, w_fp8=w1, x_fp8=ln_fp8, fuse_wgrad=fuse,
-                       rows=_FC1_ROWS)
-        a, a_fp8 = activation_cast(h, self.activation, st, _FC2_ROWS[0], plan, transpose=grad)
         w2 = self.fp8_weight("fc2_weight", self.fc2_weight, "fc2_weight", plan, is_first_microbatch)
-        y = fp8_linear(a, self.fc2_weight, fc2_bias, st, plan, w_fp8=w2, x_fp8=a_fp8, fuse_wgrad=fuse,
-                       rows=_FC2_ROWS)
+        mlp = fp8_mlp if self._fused else _unfused_fp8_mlp
+        y = mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation, st, plan,
+                w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=fuse, rows=_FC1_ROWS + _FC2_ROWS)
         return y, ln
 
     def extra_repr(self) -> str:

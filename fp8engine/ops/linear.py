@@ -3,6 +3,10 @@
 - fprop: ``y  = x  @ w.T``   (E4M3 x E4M3 under HYBRID, fast accumulation)
 - dgrad: ``dx = dy @ w``     (E5M2 grad x E4M3 weight)
 - wgrad: ``dw = dy.T @ x``   (E5M2 grad x E4M3 input)
+
+Backward casts ``dy`` once with :func:`fp8engine.ops.cast.cast_grad` (on CUDA the ``cast_transpose_dbias`` kernel:
+both FP8 layouts and the bias gradient in one pass) and runs the two GEMMs in :func:`dgrad_wgrad`, which the fused
+MLP op (``fp8engine.ops.mlp``) shares.
 """
 from __future__ import annotations
 
@@ -13,10 +17,10 @@ import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.cast import FP8Plan, cast_operand
+from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand
 from fp8engine.ops.gemm import fp8_gemm, fp8_mm
 
-__all__ = ["fp8_linear", "LINEAR_ROLES", "accumulate_wgrad", "linear_main_grad"]
+__all__ = ["fp8_linear", "LINEAR_ROLES", "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad"]
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")
@@ -75,20 +79,38 @@ class _FP8Linear(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dy_fp8 = cast_operand(dy2d, ctx.state, ctx.grad_row, ctx.plan, grad=True, transpose=need_dw or ctx.fuse_wgrad)
-        dx = dw = db = None
-        if need_dx:  # dgrad: dx = dy @ w
-            dx = fp8_mm(dy_fp8.data, dy_fp8.scale_inv, *ctx.w_t, dy.dtype).reshape(ctx.x_shape)
-        if need_dw or ctx.fuse_wgrad:  # wgrad: dw = dy.T @ x (token dim zero-padded to a multiple of 16)
-            out_dtype = torch.float32 if ctx.fuse_wgrad else weight.dtype
-            dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, *ctx.x_t, out_dtype, pad_inner=True)
-            if ctx.fuse_wgrad:
-                accumulate_wgrad(weight, dw)
-                dw = None
-        if need_db:
-            db = dy2d.sum(0, dtype=torch.float32).to(weight.dtype)
+        need_dw = need_dw or ctx.fuse_wgrad
+        dy_fp8, db = cast_grad(dy2d, ctx.state, ctx.grad_row, ctx.plan, transpose=need_dw, dbias=need_db)
+        dx, dw = dgrad_wgrad(dy_fp8, ctx.w_t if need_dx else None, ctx.x_t if need_dw else None, weight,
+                             ctx.fuse_wgrad)
         ctx.x_t = ctx.w_t = None
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        if db is not None:
+            db = db.to(weight.dtype)
         return dx, dw, db, None, None, None, None, None, None
+
+
+def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple], weight: torch.Tensor,
+                fuse_wgrad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The two backward GEMMs of a linear layer given its FP8 output gradient ``dy_fp8 [M, N]``.
+
+    - dgrad ``dx = dy @ w`` ``[M, K]`` in ``dy_fp8.dtype``, when ``w_t = (W^T data [K, N], scale_inv)`` is given;
+    - wgrad ``dw = dy.T @ x`` ``[N, K]`` (token dim zero-padded to a multiple of 16), when
+      ``x_t = (X^T data [K, M], scale_inv)`` is given: in ``weight.dtype``, or with ``fuse_wgrad`` in fp32 added
+      into ``weight.main_grad`` (then returned as None).
+    Returns ``(dx or None, dw or None)``.
+    """
+    dx = dw = None
+    if w_t is not None:
+        dx = fp8_mm(dy_fp8.data, dy_fp8.scale_inv, w_t[0], w_t[1], dy_fp8.dtype)
+    if x_t is not None:
+        out_dtype = torch.float32 if fuse_wgrad else weight.dtype
+        dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], out_dtype, pad_inner=True)
+        if fuse_wgrad:
+            accumulate_wgrad(weight, dw)
+            dw = None
+    return dx, dw
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: ScalingState,

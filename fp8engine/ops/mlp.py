@@ -1,9 +1,20 @@
-"""The MLP's activation as one autograd op, optionally writing its output in FP8 for fc2.
+"""The MLP's FP8 part, fc1 -> activation -> fc2, as one autograd op (:func:`fp8_mlp`), and the activation alone.
 
-The math lives in :func:`act_fwd` / :func:`act_bwd` (the dispatch points for the Triton activation kernels on
-CUDA, ``fp8engine.kernels.activation``, once they land). ``_ActCast`` saves only the activation *input* (fc1's
-output); fc2 receives the FP8 copy as ``x_fp8`` and saves that, so the high-precision activation output is not kept
-for backward.
+``_FP8MLP`` is organised around the six GEMMs (TransformerEngine's names):
+
+- forward:  fc1 fprop ``h = x @ W1.T + b1`` -> activation writing fc2's FP8 input ``a`` -> fc2 fprop
+  ``y = a @ W2.T + b2``;
+- backward: cast ``dy`` (with fc2's dbias) -> fc2 dgrad ``da = dy @ W2`` -> fc2 wgrad ``dW2 = dy.T @ a`` ->
+  activation backward cast to FP8 (with fc1's dbias) -> fc1 dgrad ``dx = dh @ W1`` -> fc1 wgrad ``dW1 = dh.T @ x``.
+
+It keeps for backward only x^T and W1^T (FP8), the pre-activation ``h`` (high precision, for the activation
+backward), a^T and W2^T (FP8). The elementwise passes dispatch on :func:`fp8engine.ops.cast.use_kernels`: on CUDA
+the Triton kernels of ``fp8engine.kernels.activation`` / ``.cast`` (activation forward writing FP8 directly,
+activation backward + cast-transpose + dbias in one pass, ``cast_transpose_dbias`` for ``dy``), elsewhere
+:func:`act_fwd` / :func:`act_bwd` and the torch casts -- on CPU exactly the ops of the unfused composition
+``fp8_linear -> activation_cast -> fp8_linear`` (kept as :func:`_unfused_fp8_mlp`), so both give the same bits.
+
+``_ActCast`` (the activation alone) saves only its *input*; its FP8 output goes to the next GEMM as ``x_fp8``.
 
 Activations (TransformerEngine's definitions):
 - ``gelu``: tanh approximation ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
@@ -13,14 +24,19 @@ Activations (TransformerEngine's definitions):
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.cast import FP8Plan, cast_operand
+from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand, kernel_scale, use_kernels
+from fp8engine.ops.gemm import fp8_gemm
+from fp8engine.ops.linear import dgrad_wgrad, fp8_linear
 
-__all__ = ["ACTIVATIONS", "act_fwd", "act_bwd", "activation", "activation_cast", "MLP_ROLES"]
+__all__ = ["ACTIVATIONS", "act_fwd", "act_bwd", "activation", "activation_cast", "act_fwd_cast", "act_bwd_cast",
+           "fp8_mlp", "MLP_ROLES"]
 
 #: Names accepted by the ``activation`` argument of the modules; the value is fc1's output width per ffn unit.
 ACTIVATIONS = {"gelu": 1, "relu": 1, "swiglu": 2}
@@ -77,3 +93,152 @@ def activation_cast(x: torch.Tensor, kind: str, state: ScalingState, row: int, p
     """``(y, y_fp8)``: the activation and its FP8 copy ``[M, D']`` cast for ``state`` row ``row`` (with the
     transpose for fc2's wgrad when ``transpose``)."""
     return _ActCast.apply(x, kind, (state, row, plan, transpose))
+
+
+#: Triton launchers per activation: (forward, backward + cast-transpose + dbias); names in fp8engine.kernels.activation.
+_KERNELS = {"gelu": ("gelu_fwd", "gelu_bwd_cast_transpose"), "relu": ("relu_fwd", "relu_bwd_cast_transpose"),
+            "swiglu": ("swiglu_fwd", "swiglu_bwd_cast_transpose")}
+
+
+def act_fwd_cast(h: torch.Tensor, kind: str, state: ScalingState, row: int, plan: FP8Plan,
+                 transpose: bool) -> Float8Tensor:
+    """``act(h)`` for ``h [M, D]`` written only in FP8 (``[M, D']``, ``state`` row ``row``, forward format), with
+    its transposed copy when ``transpose``; the high-precision activation is not returned.
+
+    Kernels, delayed scaling: the activation kernel writes FP8 directly (scale ``state.scale[row]``, amax into the
+    history); the transpose is then an FP8 byte copy. Current scaling needs the amax first: the activation kernel
+    writes high precision, then ``compute_amax`` + cast-transpose. Torch: :func:`act_fwd` then :func:`cast_operand`.
+    """
+    if not use_kernels(h):
+        y = act_fwd(h, kind)
+        return cast_operand(y, state, row, plan, transpose=transpose)
+    from fp8engine.kernels import activation as ka
+
+    fwd = getattr(ka, _KERNELS[kind][0])
+    h = h.contiguous()
+    if not plan.delayed:
+        return cast_operand(fwd(h, return_hp=True)[0], state, row, plan, transpose=transpose)
+    scale, amax_out = kernel_scale(h, state, row, plan, plan.fwd_dtype, grad=False)
+    _, y8, scale_inv = fwd(h, scale=scale, fp8_dtype=plan.fwd_dtype, amax_out=amax_out)
+    y_fp8 = Float8Tensor(y8, scale_inv, h.dtype)
+    if transpose:
+        y_fp8.transpose_2d()
+    return y_fp8
+
+
+def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, state: ScalingState, row: int, plan: FP8Plan, *,
+                 transpose: bool, dbias: bool) -> tuple[Float8Tensor, Optional[torch.Tensor]]:
+    """Gradient ``dh = da * act'(h)`` (``da [M, D']``, ``h [M, D]``, same dtype) cast to FP8 for ``state`` row
+    ``row`` (backward format, amax recorded under delayed scaling), with its transpose when ``transpose`` and its
+    column sums when ``dbias``: ``(dh_fp8, dbias [D] in da.dtype or None)``.
+
+    Kernels, delayed scaling: one ``*_bwd_cast_transpose`` pass (both FP8 layouts, fp32-accumulated dbias).
+    Current scaling: its high-precision variant (dh and dbias), then ``compute_amax`` + cast-transpose.
+    Torch: :func:`act_bwd` then :func:`cast_grad`.
+    """
+    if not use_kernels(h):
+        return cast_grad(act_bwd(da, h, kind), state, row, plan, transpose=transpose, dbias=dbias)
+    from fp8engine.kernels import activation as ka
+
+    bwd = getattr(ka, _KERNELS[kind][1])
+    da, h = da.contiguous(), h.contiguous()
+    if not plan.delayed:
+        dh, _, _, db = bwd(da, h, None, None)
+        return cast_operand(dh, state, row, plan, grad=True, transpose=transpose), (db if dbias else None)
+    scale, amax_out = kernel_scale(h, state, row, plan, plan.bwd_dtype, grad=True)
+    dh8, dh8_t, scale_inv, db = bwd(da, h, scale, plan.bwd_dtype, amax_out)
+    return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t), (db if dbias else None)
+
+
+class _FP8MLP(torch.autograd.Function):
+    """``y = fc2(act(fc1(x)))`` with FP8 GEMMs; see the module docstring for the GEMMs and what is saved."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, x_fp8: Float8Tensor, w1_fp8: Float8Tensor, w2_fp8: Float8Tensor,
+                state: ScalingState, plan: FP8Plan, kind: str, rows: tuple, fuse_wgrad: bool):
+        need_x, need_w1, need_b1, need_w2 = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                             ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+        need_dw1, need_dw2 = need_w1 or fuse_wgrad, need_w2 or fuse_wgrad
+        need_dh = need_x or need_dw1 or need_b1  # anything upstream of the activation
+        # fc1 fprop: h = x @ W1.T + b1
+        h = fp8_gemm(x_fp8, w1_fp8, x.dtype, bias=None if b1 is None else b1.to(x.dtype), use_fast_accum=True)
+        # activation, written in FP8 for fc2 (with a^T for fc2's wgrad)
+        a_fp8 = act_fwd_cast(h, kind, state, rows[3], plan, transpose=need_dw2)
+        # fc2 fprop: y = a @ W2.T + b2
+        y = fp8_gemm(a_fp8, w2_fp8, x.dtype, bias=None if b2 is None else b2.to(x.dtype), use_fast_accum=True)
+        ctx.save_for_backward(w1, w2, h if need_dh else None)
+        ctx.x_t = (x_fp8.transpose_2d(), x_fp8.scale_inv) if need_dw1 else None
+        ctx.w1_t = (w1_fp8.transpose_2d(), w1_fp8.scale_inv) if need_x else None
+        ctx.a_t = (a_fp8.transpose_2d(), a_fp8.scale_inv) if need_dw2 else None
+        ctx.w2_t = (w2_fp8.transpose_2d(), w2_fp8.scale_inv) if need_dh else None
+        ctx.state, ctx.plan, ctx.kind, ctx.rows, ctx.fuse_wgrad = state, plan, kind, rows, fuse_wgrad
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        w1, w2, h = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        rows, state, plan, fuse = ctx.rows, ctx.state, ctx.plan, ctx.fuse_wgrad
+        # fc2: cast dy (+ fc2 dbias), dgrad da = dy @ W2, wgrad dW2 = dy.T @ a
+        dy_fp8, db2 = cast_grad(dy.reshape(-1, dy.shape[-1]), state, rows[5], plan, transpose=ctx.a_t is not None,
+                                dbias=need_b2)
+        da, dw2 = dgrad_wgrad(dy_fp8, ctx.w2_t, ctx.a_t, w2, fuse)
+        dx = dw1 = db1 = None
+        if da is not None:
+            # activation backward cast to FP8 (+ fc1 dbias), fc1 dgrad dx = dh @ W1, wgrad dW1 = dh.T @ x
+            dh_fp8, db1 = act_bwd_cast(da, h, ctx.kind, state, rows[2], plan, transpose=ctx.x_t is not None,
+                                       dbias=need_b1)
+            dx, dw1 = dgrad_wgrad(dh_fp8, ctx.w1_t, ctx.x_t, w1, fuse)
+            if dx is not None:
+                dx = dx.reshape(ctx.x_shape)
+            if db1 is not None:
+                db1 = db1.to(w1.dtype)
+        if db2 is not None:
+            db2 = db2.to(w2.dtype)
+        ctx.x_t = ctx.w1_t = ctx.a_t = ctx.w2_t = None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None
+
+
+def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor], fc2_weight: torch.Tensor,
+            fc2_bias: Optional[torch.Tensor], kind: str, state: ScalingState, plan: FP8Plan, *,
+            w1_fp8: Optional[Float8Tensor] = None, w2_fp8: Optional[Float8Tensor] = None,
+            x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
+            rows: tuple = (0, 1, 2, 3, 4, 5)) -> torch.Tensor:
+    """FP8 ``fc2(act(fc1(x)))`` with gradients, as one autograd node.
+
+    Args:
+        x: ``[*, h]`` high precision (per rank: the gathered sequence when sequence parallel); output ``[*, h_out]``
+            in ``x.dtype``, before any tensor-parallel reduction.
+        fc1_weight: ``[D, h]`` (``D = 2F`` for swiglu, ``[gate | up]``); fc2_weight ``[h_out, F]``; biases ``[D]``,
+            ``[h_out]`` or None. All dims multiples of 16.
+        kind: ``"gelu"``, ``"relu"`` or ``"swiglu"``. state: rows ``MLP_ROLES`` (``rows`` maps them).
+        w1_fp8, w2_fp8: already cast weights (FP8 weight caching), with their transposes when a backward may run;
+            cast now when None. x_fp8: ``x`` already cast (by the norm kernel); cast now when None.
+        fuse_wgrad: weight gradients go to fp32 ``weight.main_grad``; ``.grad`` stays None.
+    """
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or fc1_weight.requires_grad
+                                              or fc2_weight.requires_grad)
+    if x_fp8 is None:
+        x_fp8 = cast_operand(x.reshape(-1, x.shape[-1]), state, rows[0], plan, transpose=needs_grad)
+    if w1_fp8 is None:
+        w1_fp8 = cast_operand(fc1_weight, state, rows[1], plan, transpose=needs_grad)
+    if w2_fp8 is None:
+        w2_fp8 = cast_operand(fc2_weight, state, rows[4], plan, transpose=needs_grad)
+    return _FP8MLP.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, x_fp8, w1_fp8, w2_fp8, state, plan, kind,
+                         rows, fuse_wgrad)
+
+
+def _unfused_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, kind, state, plan, *, w1_fp8=None,
+                     w2_fp8=None, x_fp8=None, fuse_wgrad=False, rows=(0, 1, 2, 3, 4, 5)) -> torch.Tensor:
+    """:func:`fp8_mlp` as three autograd nodes, ``fp8_linear -> activation_cast -> fp8_linear`` (the composition
+    it replaced; kept as the reference the fused op is tested against, bit for bit on CPU)."""
+    if w1_fp8 is None:
+        w1_fp8 = cast_operand(fc1_weight, state, rows[1], plan, transpose=torch.is_grad_enabled())
+    if w2_fp8 is None:
+        w2_fp8 = cast_operand(fc2_weight, state, rows[4], plan, transpose=torch.is_grad_enabled())
+    h = fp8_linear(x, fc1_weight, fc1_bias, state, plan, w_fp8=w1_fp8, x_fp8=x_fp8, fuse_wgrad=fuse_wgrad,
+                   rows=rows[0:3])
+    a, a_fp8 = activation_cast(h, kind, state, rows[3], plan, transpose=torch.is_grad_enabled())
+    return fp8_linear(a, fc2_weight, fc2_bias, state, plan, w_fp8=w2_fp8, x_fp8=a_fp8, fuse_wgrad=fuse_wgrad,
+                      rows=rows[3:6])
