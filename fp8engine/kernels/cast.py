@@ -51,11 +51,20 @@ __all__ = [
 #: Elements per program of the flat cast / amax kernel. 8192 is the block of the ANCHORS.md measurement
 #: (bf16 -> e4m3, 32768 x 4096, 3.62 TB/s on H200); num_warps left at Triton's default.
 CAST_BLOCK = 8192
-#: Tile of the cast-transpose kernels (rows x cols). 64 x 64 keeps a tile's fp32 values at 16 KB of registers for
-#: 4 warps and gives 64-byte fp8 row segments on both stores; a common transpose tile, not tuned on H200 yet.
+#: Tile of the cast-transpose kernels (rows x cols). Chosen by tools/tune_cast_transpose.py on H200 (Triton 3.6,
+#: bf16 -> e4m3, 32768x4096, 8192x16384, 8192x4096; tiles 32..128 x 64..256, 4 or 8 warps): 64 x 128 with 4 warps
+#: was fastest at every shape (3.0-3.6 TB/s with the hardware conversion, vs 2.3-2.6 for 64 x 64).
 TILE_M = 64
-TILE_N = 64
+TILE_N = 128
 TILE_WARPS = 4
+
+
+def _hw_cvt_ok(x2: torch.Tensor) -> bool:
+    """Whether the tiled kernel may use the hardware FP8 conversion for ``x2``: 16-bit inputs on full tiles, the
+    case tools/tune_cast_transpose.py verified bit-exact on H200 (both copies, all tile shapes swept). fp32 inputs
+    (wrong bytes there with every tile shape) and partial tiles keep the exact emulation (see emulate_fp8_cvt)."""
+    m, n = x2.shape
+    return x2.dtype in (torch.bfloat16, torch.float16) and m % TILE_M == 0 and n % TILE_N == 0
 
 
 @triton.jit
@@ -140,7 +149,7 @@ def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbi
     _cast_transpose_kernel[(grid_m, grid_n)](
         x2, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
         amax_out if amax_out is not None else scale_inv, parts if parts is not None else scale_inv, m, n,
-        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(tiled_transpose=True),
+        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(tiled_transpose=not _hw_cvt_ok(x2)),
         HAS_AMAX=amax_out is not None, HAS_DBIAS=parts is not None, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
     )  # fmt: skip
     dbias = sum_partials(parts[: triton.cdiv(m, TILE_M)], dbias_dtype) if parts is not None else None

@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import fp8engine.jax as fj  # noqa: E402
 from fp8engine.recipe import DelayedScaling, Format  # noqa: E402
 
-from conftest import sqnr_db  # noqa: E402
+from tests.jax.conftest import sqnr_db  # noqa: E402
 
 RECIPES = [
     DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),

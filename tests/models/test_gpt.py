@@ -6,7 +6,7 @@ import torch
 
 import fp8engine
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
-from conftest import sqnr
+from tests.conftest import sqnr
 
 # Tiny but FP8-capable (all GEMM dims multiples of 16); an odd vocabulary is fine (the LM head is not FP8).
 SMALL = GPTConfig(n_layer=2, n_head=4, hidden_size=64, ffn_hidden_size=128, max_seq_len=32, vocab_size=97)

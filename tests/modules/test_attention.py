@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8engine
-from conftest import sqnr
+from tests.conftest import sqnr
 from fp8engine.modules import MultiheadAttention, RotaryEmbedding
 from fp8engine.modules.attention import apply_rotary_pos_emb
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8engine
-from conftest import sqnr
+from tests.conftest import sqnr
 from fp8engine.modules import LayerNormLinear
 
 RECIPES = [fp8engine.DelayedScaling(), fp8engine.CurrentScaling()]

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8engine
-from conftest import sqnr
+from tests.conftest import sqnr
 from fp8engine.modules import LayerNormMLP
 
 H, FFN = 64, 96

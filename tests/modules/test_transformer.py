@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fp8engine
-from conftest import sqnr
+from tests.conftest import sqnr
 from fp8engine.modules import RotaryEmbedding, TransformerLayer
 from fp8engine.modules.attention import AttentionConfig
 from test_attention import reference_attention

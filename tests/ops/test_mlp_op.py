@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _ops_test_utils import IGNORE_INTERPRETER_WARNINGS, force_kernels, make_state  # noqa: F401 (fixture)
-from conftest import sqnr
+from tests.conftest import sqnr
 from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, _unfused_fp8_mlp, fp8_mlp
 
 pytestmark = IGNORE_INTERPRETER_WARNINGS
