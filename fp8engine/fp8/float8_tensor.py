@@ -55,7 +55,12 @@ class Float8Tensor:
     def transpose_2d(self) -> torch.Tensor:
         """FP8 bits of the 2-D transpose ``[N, M]`` (made once, then kept)."""
         if self._data_t is None:
-            self._data_t = self.data.reshape(-1, self.data.shape[-1]).t().contiguous()
+            if _use_kernels(self.data):
+                from fp8engine.kernels.cast import transpose_fp8
+
+                self._data_t = transpose_fp8(self.data.contiguous())
+            else:
+                self._data_t = self.data.reshape(-1, self.data.shape[-1]).t().contiguous()
         return self._data_t
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

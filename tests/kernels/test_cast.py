@@ -144,3 +144,15 @@ def test_errors_name_the_problem(device):
         cast_to_fp8(x, s.half(), torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="amax_out"):
         cast_to_fp8(x, s, torch.float8_e4m3fn, torch.zeros(2, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(1151, 24), (192, 256), (2, 65, 144), (1, 16)])
+def test_transpose_fp8_is_the_byte_transpose(device, fp8_dtype, shape):
+    from fp8engine.kernels.cast import transpose_fp8, transpose_fp8_reference
+
+    data = (torch.randn(shape, device=device) * 50).to(fp8_dtype)
+    out = transpose_fp8(data)
+    assert out.dtype == fp8_dtype and out.shape == (shape[-1], data.numel() // shape[-1])
+    assert torch.equal(out.view(torch.uint8), transpose_fp8_reference(data).view(torch.uint8))
