@@ -1,4 +1,4 @@
-"""``python -m fp8engine.bench {cast,linear,layer,jax,all} [options]``: print a table and write JSON.
+"""``python -m fp8engine.bench {cast,linear,layer,jax,comm,all} [options]``: print a table and write JSON.
 
 Each benchmark lives in its own module exposing ``main(argv: list[str]) -> int``.
 """
@@ -12,6 +12,7 @@ BENCHMARKS = {
     "linear": "fp8engine.bench.linear",
     "layer": "fp8engine.bench.layer",
     "jax": "fp8engine.bench.jax_dense",
+    "comm": "fp8engine.bench.comm",
 }
 
 
