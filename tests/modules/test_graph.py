@@ -22,9 +22,11 @@ def test_graphed_layer_matches_eager():
     recipe = fe.DelayedScaling(amax_history_len=4)
     graphed = make_graphed_callables(layer, (x,), fp8_recipe=recipe, num_warmup_iters=3)
     eager.load_state_dict(layer.state_dict())  # same weights and FP8 state (histories, scales) as after capture
-    for p in list(layer.parameters()) + list(eager.parameters()):
-        p.grad = None
     for step in range(3):
+        # Per step: the graphed backward hands out its static gradient buffers, which autograd may adopt as
+        # .grad, so accumulating across replays is the caller's job (as with torch.cuda.make_graphed_callables).
+        for p in list(layer.parameters()) + list(eager.parameters()):
+            p.grad = None
         dy = torch.randn_like(x)
         with fe.autocast(recipe=recipe):
             yg = graphed(x)
@@ -34,8 +36,9 @@ def test_graphed_layer_matches_eager():
         ye.backward(dy)
         # Same kernels on the same inputs: identical up to cuBLAS run-to-run determinism.
         torch.testing.assert_close(yg, ye, rtol=0, atol=0)
-    for a, b in zip(layer.parameters(), eager.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-2)
+        for (name, a), b in zip(layer.named_parameters(), eager.parameters()):
+            # same kernels and inputs; bf16 atomics-free reductions: equal up to bf16 rounding of reordering
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-2, msg=name)
     for sa, sb in zip([m for m in layer.modules() if isinstance(m, fe.ScalingState)],
                       [m for m in eager.modules() if isinstance(m, fe.ScalingState)]):
         torch.testing.assert_close(sa.scale, sb.scale, rtol=0, atol=0)  # scales kept updating in the graph
