@@ -103,8 +103,14 @@ def run_single(args) -> list[dict]:
     if not args.no_torchao and dev == "cuda" and torchao_available():
         cases += [("torchao.float8 tensorwise eager", torchao_float8(plain), None),
                   ("torchao.float8 tensorwise compile", torchao_float8(plain, compile=True), None)]
-    if dev == "cuda":
+    if dev == "cuda" and not args.no_compile:
         cases.append(("plain PyTorch block bf16 compile", torch.compile(plain), None))
+    if dev == "cuda" and args.graph:
+        from fp8engine.modules.graph import make_graphed_callables
+
+        recipe = fe.DelayedScaling()
+        graphed = make_graphed_callables(_ours(h, f, heads, dev), (x,), fp8_recipe=recipe)
+        cases.append(("fp8engine TransformerLayer fp8 delayed, CUDA graph (make_graphed_callables)", graphed, recipe))
     rows, flops = [], layer_flops(s, b, h, f)
     for name, model, recipe in cases:
         peak_memory_gib(reset=True)
@@ -152,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument("--graph", action="store_true", help="add our FP8 layer captured in CUDA graphs")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.tp > 1:
