@@ -48,7 +48,8 @@ from fp8engine.training import UsageError
 from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, capture_rng_state, load_checkpoint,
                                            restore_rng_state, save_checkpoint)
 from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm, env_world_size,
-                                            SHARDED_DIR, has_sharded, init_layout, load_sharded, save_sharded)
+                                            SHARDED_DIR, has_sharded, init_layout, load_sharded,
+                                            read_sharded_settings, save_sharded)
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
 from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
 
@@ -120,6 +121,11 @@ def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.world_size = env_world_size()
     if args.resume and not args.out:
         raise UsageError("--resume needs --out DIR, the directory of the run to continue")
+    if args.compile and args.precision == "fp8":
+        # The FP8 path is built for eager speed; under torch.compile the delayed-scaling bookkeeping (state
+        # registration with the autocast region, amax recording into buffers) is not traced faithfully.
+        raise UsageError("--compile is not supported with --precision fp8 (fp8engine's FP8 path runs in eager "
+                         "mode); drop --compile, or use --compile with --precision bf16 or fp32")
     return args
 
 
@@ -195,8 +201,8 @@ def prepare(args: argparse.Namespace) -> Run:
     if out is not None and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; give a directory")
     if args.resume:
-        checkpoint = (load_checkpoint(out) if args.world_size == 1 or not has_sharded(out)
-                      else load_sharded(out, int(os.environ.get("RANK", "0"))))
+        checkpoint = (read_sharded_settings(out, _settings(args)) if has_sharded(out)
+                      else load_checkpoint(out))
         _check_same_run(checkpoint["settings"], args)
         if checkpoint["step"] >= args.steps:
             raise UsageError(f"--resume: the checkpoint is already at step {checkpoint['step']}; pass "
@@ -245,7 +251,9 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": run.args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=run.args.lr, betas=(0.9, 0.95), eps=1e-8)
-    if run.checkpoint is not None:
+    if run.checkpoint is not None and layout.world_size > 1:
+        run.checkpoint.update(load_sharded(run.out, layout, model, optimizer))  # adds this rank's "rng"
+    elif run.checkpoint is not None:
         model.load_state_dict(run.checkpoint["model"])
         optimizer.load_state_dict(run.checkpoint["optimizer"])
     step_model = model
@@ -309,7 +317,7 @@ def _save(run: Run, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> 
         "data_position": {"next_step": step + 1, "sampler": "batch_seed(seed, split, step, micro)"},
         "rng": capture_rng_state(), "settings": _settings(run.args), "config": dataclasses.asdict(run.config)}
     if run.layout.world_size > 1:
-        save_sharded(run.out, run.layout, state, step)
+        save_sharded(run.out, run.layout, model, optimizer, state, step)
     else:
         save_checkpoint(run.out, state)
 

@@ -237,3 +237,61 @@ def test_tensor_and_data_parallel_runs_match_one_process(tmp_path, text_file):
         np.testing.assert_allclose([l for _, l, _ in other], [l for _, l, _ in one], rtol=1e-4)
         np.testing.assert_allclose([v for _, _, v in other if v], [v for _, _, v in one if v], rtol=1e-4)
     assert (tmp_path / "dp" / "checkpoint" / "latest").read_text().strip() == "step_6"
+
+
+def _torchrun_failing(nproc, *args):
+    """Like :func:`_torchrun` for a launch that must fail: (returncode, stderr)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(port), "-m", "fp8engine.train", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tp", "2", "--sequence-parallel"], ["--tp", "1"]], ids=["tp2-sp", "dp2"])
+def test_parallel_resume_is_exact(tmp_path, text_file, layout):
+    """2 gloo processes, FP8 with dropout: stopped at step 3 and resumed from the torch.distributed.checkpoint
+    to 6 == an uninterrupted run, loss for loss (exact float equality: parameters, AdamW state, each rank's FP8
+    amax histories and RNG states all come back). The checkpoint keeps one copy of each tp shard's parameters,
+    and per-rank buffers and RNG states."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--dropout", "0.1", "--precision", "fp8",
+              *QUICK, *layout]
+    _torchrun(2, *common, "--out", tmp_path / "full")
+    _torchrun(2, *common, "--out", tmp_path / "split", "--stop-at", "3")
+    keys = FileSystemReader(tmp_path / "split" / "checkpoint" / "step_3").read_metadata().state_dict_metadata
+    tp_ranks = range(int(layout[1]))
+    assert {k.split("/")[0] for k in keys if "/model." in k} == {f"tp{t}" for t in tp_ranks}
+    assert {k.split("/")[0] for k in keys if "/optimizer.state." in k} == {f"tp{t}" for t in tp_ranks}
+    assert {k.split("/")[0] for k in keys if k.endswith("amax_history")} == {"rank0", "rank1"}
+    assert {"rank0/rng.torch", "rank1/rng.torch", "step", "settings.tp"} <= keys.keys()
+    _torchrun(2, *common, "--out", tmp_path / "split", "--resume")
+    full, split = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    assert [s for s, _, _ in full] == list(range(1, 7))
+    assert split == full  # exact float equality
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoint").iterdir()) == ["latest", "step_6"]
+
+
+@pytest.mark.slow
+def test_parallel_resume_refuses_another_layout(tmp_path, text_file, capsys):
+    """A checkpoint of 2 processes with --tp 2 resumed with another --tp or world size exits 2 with one line
+    naming the launch to use, and leaves the checkpoint as it was."""
+    common = ["--data", text_file, "--steps", "4", "--precision", "fp32", *QUICK, "--out", tmp_path]
+    _torchrun(2, *common, "--tp", "2", "--stop-at", "2")
+    latest = (tmp_path / "checkpoint" / "latest").read_text()
+    rc, stderr = _torchrun_failing(2, *common, "--tp", "1", "--resume")
+    assert rc != 0
+    lines = [line for line in stderr.splitlines() if line.startswith("fp8engine.train: error:")]
+    assert len(lines) == 1 and "torchrun --nproc-per-node 2 ... --tp 2" in lines[0], stderr[-3000:]
+    assert "(exitcode: 2)" in stderr  # the workers' usage-error status (torchrun itself reports a failure)
+    capsys.readouterr()
+    assert main(list(map(str, common + ["--resume"]))) == 2  # one process
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "written by 2 processes with --tp 2, this run has 1" in err
+    assert (tmp_path / "checkpoint" / "latest").read_text() == latest
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["latest", "step_2"]

@@ -4,7 +4,8 @@ A checkpoint is one ``torch.save`` file: the model's ``state_dict`` (parameters 
 amax histories, scales, update counters), the optimizer's ``state_dict``, the step, the data position, every RNG
 state (torch CPU and CUDA, Python ``random``, NumPy) and the run's settings (to refuse resuming a different run).
 It is written to ``<name>.tmp`` and moved over the old one with ``os.replace``, so a crash never leaves a
-half-written checkpoint. Tensor-parallel runs use :mod:`torch.distributed.checkpoint` instead (per-rank shards).
+half-written checkpoint. Multi-rank runs use :mod:`torch.distributed.checkpoint` instead
+(:mod:`fp8engine.training.distributed`).
 """
 from __future__ import annotations
 

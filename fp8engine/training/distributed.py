@@ -4,28 +4,37 @@ Layout (``fp8engine.parallel.init_parallel``): ``world = dp * tp``, tp innermost
 replica sees the same batch; dp replica ``r`` takes micro-batch ``micro * dp + r`` of the step, so the global
 batch of a step does not depend on how it is split (with dp = 1 it is exactly the single-process batch).
 
-Checkpoints of multi-rank runs are per-rank ``torch.save`` files in ``<out>/checkpoint/step_<k>/rank<r>.pt``:
-every rank writes its own (atomically), all ranks meet at a barrier, then rank 0 atomically points
-``<out>/checkpoint/latest`` at the new step and removes the previous one, so ``latest`` always names a complete
-set. (``torch.distributed.checkpoint`` would de-duplicate our tensor-parallel shards, which are plain tensors
-with the same names on every tp rank, not DTensors; resuming therefore needs the same ``--tp`` and world size.)
+Checkpoints of multi-rank runs are written with ``torch.distributed.checkpoint`` (DCP) to
+``<out>/checkpoint/step_<k>/``; ``<out>/checkpoint/latest`` names the last complete one. Our tensor-parallel
+shards are plain tensors with the same parameter names on every tp rank (not DTensors), and DCP keeps one copy
+of each key, so keys carry the rank whose data they are (:func:`_sharded_state`):
+
+- ``tp{t}/model.<param>``, ``tp{t}/optimizer.<...>``: tp rank ``t``'s parameter shards and AdamW state, one
+  copy for all its data-parallel replicas (they are identical);
+- ``rank{r}/buffers.<buffer>`` (FP8 scaling state), ``rank{r}/rng.<generator>``: rank ``r``'s own;
+- ``step``, ``data_position``, ``settings``, ``config``: plain Python values, the same on every rank.
+
+Resuming therefore needs the same world size and ``--tp`` (checked up front by :func:`read_sharded_settings`).
 """
 from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fp8engine.training import UsageError
-from fp8engine.training.checkpoint import atomic_write
+from fp8engine.training.checkpoint import atomic_write, capture_rng_state
 
 __all__ = ["Layout", "env_world_size", "check_layout", "init_layout", "clip_grad_norm", "all_reduce_sum",
-           "save_sharded", "load_sharded", "has_sharded", "SHARDED_DIR"]
+           "save_sharded", "load_sharded", "read_sharded_settings", "has_sharded", "SHARDED_DIR"]
 
 SHARDED_DIR = "checkpoint"
 
@@ -39,6 +48,7 @@ class Layout:
     dp_rank: int = 0
     dp_size: int = 1
     tp_size: int = 1
+    tp_rank: int = 0
     dp_group: Any = None
     tp_group: Any = None
 
@@ -80,7 +90,7 @@ def init_layout(tp: int, device: torch.device) -> Layout:
     from fp8engine.parallel import init_parallel
 
     env = init_parallel(tp, backend=None if device.type == "cuda" else "gloo")
-    return Layout(dist.get_rank(), dist.get_world_size(), env.dp_rank, env.dims.dp, env.dims.tp,
+    return Layout(dist.get_rank(), dist.get_world_size(), env.dp_rank, env.dims.dp, env.dims.tp, env.tp_rank,
                   env.dp_group if env.dims.dp > 1 else None, env.tp_group if env.dims.tp > 1 else None)
 
 
@@ -120,11 +130,49 @@ def _root(out: Path) -> Path:
     return Path(out) / SHARDED_DIR
 
 
-def save_sharded(out: Path, layout: Layout, state: dict[str, Any], step: int) -> None:
-    """Every rank saves ``state`` for ``step``; ``latest`` moves to it once all ranks have written."""
+def _latest_dir(out: Path) -> Optional[Path]:
+    latest = _root(out) / "latest"
+    return _root(out) / latest.read_text().strip() if latest.is_file() else None
+
+
+def _sharded_state(layout: Layout, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   rng: dict[str, Any]) -> dict[str, Any]:
+    """The tensor part of a multi-rank checkpoint, keyed so that DCP keeps exactly what differs between ranks.
+
+    ``tp{t}/model`` (parameters) and ``tp{t}/optimizer`` (AdamW state and param groups, keyed by parameter name)
+    are identical on the data-parallel replicas of tp rank ``t``, so DCP writes them once per tp shard.
+    ``rank{r}/buffers`` (the FP8 amax histories, scales and counters) and ``rank{r}/rng`` are per rank: between a
+    backward and the next autocast exit, column 0 of an amax history holds this rank's own gradient amaxes, not
+    yet MAX-reduced over the dp group. ``get_state_dict`` initialises AdamW's lazy state (a step with zero grads
+    and lr 0, which leaves the parameters as they are), so on load the template has the saved shapes.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    buffer_names = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    t, r = f"tp{layout.tp_rank}", f"rank{layout.rank}"
+    return {f"{t}/model": {k: v for k, v in model_sd.items() if k not in buffer_names},
+            f"{t}/optimizer": optim_sd,
+            f"{r}/buffers": {k: v for k, v in model_sd.items() if k in buffer_names},
+            f"{r}/rng": rng}
+
+
+def save_sharded(out: Path, layout: Layout, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 state: dict[str, Any], step: int) -> None:
+    """Save a multi-rank checkpoint of ``step`` with ``torch.distributed.checkpoint`` (collective: every rank).
+
+    Written to ``<out>/checkpoint/step_<k>/`` (DCP's ``.metadata`` and ``__<rank>_0.distcp`` files): the model
+    and optimizer taken from the objects as laid out by :func:`_sharded_state` (``state["model"]`` and
+    ``state["optimizer"]``, the single-process format, are not used), ``state["rng"]`` under ``rank{r}/rng``, and
+    the other entries of ``state`` (step, data position, settings, config: the same on every rank) as plain
+    Python values under their own names. Once every rank has written (``dcp.save`` returns after the coordinator
+    wrote ``.metadata``, then a barrier), rank 0 atomically points ``<out>/checkpoint/latest`` at the new step and
+    removes the previous one, so ``latest`` always names a complete checkpoint.
+    """
     step_dir = _root(out) / f"step_{step}"
-    step_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(step_dir / f"rank{layout.rank}.pt", lambda tmp: torch.save(state, tmp))
+    if layout.is_main and step_dir.exists() and step_dir != _latest_dir(out):  # a crashed save's leftovers
+        shutil.rmtree(step_dir)
+    dist.barrier()
+    plain = {k: v for k, v in state.items() if k not in ("model", "optimizer", "rng")}
+    dcp.save(_sharded_state(layout, model, optimizer, state["rng"]) | plain, checkpoint_id=step_dir)
     dist.barrier()
     if layout.is_main:
         latest = _root(out) / "latest"
@@ -139,17 +187,46 @@ def has_sharded(out: Path) -> bool:
     return (_root(out) / "latest").is_file()
 
 
-def load_sharded(out: Path, rank: int) -> Optional[dict[str, Any]]:
-    """This rank's state from the step ``latest`` names, or None when there is no sharded checkpoint.
+def read_sharded_settings(out: Path, settings: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """``{"step", "settings"}`` of the checkpoint ``latest`` names (None without one); needs no process group.
+
+    ``settings`` (this run's) is the template DCP fills with the saved values, so it must have the saved keys.
 
     Raises:
-        UsageError: ``latest`` names a step without this rank's file (written by a different world size).
+        UsageError: the checkpoint cannot be read, or was written by a different world size or ``--tp`` (the
+            tensor-parallel shards and per-rank entries only fit the same layout).
     """
-    latest = _root(out) / "latest"
-    if not latest.is_file():
+    step_dir = _latest_dir(out)
+    if step_dir is None:
         return None
-    path = _root(out) / latest.read_text().strip() / f"rank{rank}.pt"
-    if not path.is_file():
-        raise UsageError(f"--resume: {path} is missing; resume with the world size and --tp of the saved run")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    meta = {"step": 0, "settings": dict(settings)}
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended here
+            warnings.simplefilter("ignore")
+            dcp.load(meta, checkpoint_id=step_dir, no_dist=True)
+    except Exception as err:  # DCP wraps missing files and keys in CheckpointException
+        raise UsageError(f"--resume: cannot read the checkpoint {step_dir} ({str(err).strip().splitlines()[0]}); "
+                         "use a new --out") from None
+    saved = meta["settings"]
+    if (saved["world_size"], saved["tp"]) != (settings["world_size"], settings["tp"]):
+        raise UsageError(f"--resume: {step_dir} was written by {saved['world_size']} processes with --tp "
+                         f"{saved['tp']}, this run has {settings['world_size']} with --tp {settings['tp']}; resume "
+                         f"with torchrun --nproc-per-node {saved['world_size']} ... --tp {saved['tp']}")
+    return meta
 
+
+def load_sharded(out: Path, layout: Layout, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load the checkpoint ``latest`` names into ``model`` and ``optimizer`` in place (collective: every rank);
+    returns ``{"rng": this rank's RNG states}`` for :func:`~fp8engine.training.checkpoint.restore_rng_state`.
+
+    Pass the unwrapped model (not DDP). The template is built like the saved state (:func:`_sharded_state`), so
+    DCP reads this rank's tp shard, buffers and RNG states straight into it.
+    """
+    step_dir = _latest_dir(out)
+    state = _sharded_state(layout, model, optimizer, capture_rng_state())
+    dcp.load(state, checkpoint_id=step_dir)
+    t, r = f"tp{layout.tp_rank}", f"rank{layout.rank}"
+    set_state_dict(model, optimizer, model_state_dict=state[f"{t}/model"] | state[f"{r}/buffers"],
+                   optim_state_dict=state[f"{t}/optimizer"])
+    return {"rng": state[f"{r}/rng"]}
