@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 import fp8engine
 from fp8engine.fp8.autocast import FP8Context, recompute_context
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
-from fp8engine.parallel import all_reduce_sequence_parallel_grads
+from fp8engine.parallel import RNGStatesTracker, all_reduce_sequence_parallel_grads, model_parallel_manual_seed
 from fp8engine.training import UsageError
 from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, capture_rng_state, load_checkpoint,
                                            restore_rng_state, save_checkpoint)
@@ -184,6 +184,8 @@ class Run:
     out: Optional[Path]
     checkpoint: Optional[dict[str, Any]]
     layout: Layout = dataclasses.field(default_factory=Layout)
+    #: With --tp > 1: the RNG tracker whose per-tp-rank state drives dropout inside tensor-parallel regions.
+    rng_tracker: Any = None
 
 
 def prepare(args: argparse.Namespace) -> Run:
@@ -244,15 +246,18 @@ def _precision_context(args: argparse.Namespace, device: torch.device, train: bo
 def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(run.args.seed)  # same on every rank: tp shards are slices of the same unsharded init
     layout = run.layout
+    if layout.tp_size > 1:  # Megatron's seeds: default generator = seed, model-parallel state = seed + 2718 + tp rank
+        run.rng_tracker = model_parallel_manual_seed(run.args.seed, layout.tp_rank, RNGStatesTracker(run.device),
+                                                     device=run.device)
     model = GPT(run.config, tp_group=layout.tp_group, sequence_parallel=run.args.sequence_parallel,
-                device=run.device)
+                device=run.device, rng_tracker=run.rng_tracker)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": run.args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=run.args.lr, betas=(0.9, 0.95), eps=1e-8)
     if run.checkpoint is not None and layout.world_size > 1:
-        run.checkpoint.update(load_sharded(run.out, layout, model, optimizer))  # adds this rank's "rng"
+        run.checkpoint.update(load_sharded(run.out, layout, model, optimizer, run.rng_tracker))  # adds "rng"
     elif run.checkpoint is not None:
         model.load_state_dict(run.checkpoint["model"])
         optimizer.load_state_dict(run.checkpoint["optimizer"])
@@ -315,7 +320,7 @@ def _save(run: Run, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> 
     state = {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
         "data_position": {"next_step": step + 1, "sampler": "batch_seed(seed, split, step, micro)"},
-        "rng": capture_rng_state(), "settings": _settings(run.args), "config": dataclasses.asdict(run.config)}
+        "rng": capture_rng_state(run.rng_tracker), "settings": _settings(run.args), "config": dataclasses.asdict(run.config)}
     if run.layout.world_size > 1:
         save_sharded(run.out, run.layout, model, optimizer, state, step)
     else:
@@ -349,7 +354,7 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
     args = run.args
     start = 0 if run.checkpoint is None else run.checkpoint["step"]
     if run.checkpoint is not None:
-        restore_rng_state(run.checkpoint["rng"])
+        restore_rng_state(run.checkpoint["rng"], run.rng_tracker)
     end = args.stop_at or args.steps
     main_rank = run.layout.is_main
     log = MetricsLog(run.out if main_rank else None, resume_step=start if run.checkpoint is not None else None)

@@ -165,13 +165,15 @@ class GPT(nn.Module):
         sequence_parallel: with ``tp_group``, layer norms and dropout run on sequence shards ``[s / tp, b, h]``.
         params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
         device: where to allocate parameters.
+        rng_tracker: with ``tp_group``, the :class:`fp8engine.parallel.RNGStatesTracker` whose model-parallel state
+            drives dropout inside tensor-parallel regions (see :class:`TransformerLayer`).
     Shapes:
         ``forward(tokens [b, s] int64)`` -> ``logits [b, s, V_local]`` (``V_local = V / tp``), or the mean
         cross-entropy (float32 scalar) when ``targets [b, s]`` is given. ``s <= config.max_seq_len``.
     """
 
     def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 params_dtype: Optional[torch.dtype] = None, device=None):
+                 params_dtype: Optional[torch.dtype] = None, device=None, rng_tracker=None):
         super().__init__()
         if sequence_parallel and tp_group is None:
             raise ValueError("sequence_parallel=True needs a tp_group")
@@ -191,7 +193,8 @@ class GPT(nn.Module):
             init_method=_normal_init(config.init_std),
             output_layer_init_method=_normal_init(config.init_std / math.sqrt(2 * config.n_layer)))
         if tp_group is not None:
-            layer_kwargs.update(set_parallel_mode=True, tp_group=tp_group, sequence_parallel=sequence_parallel)
+            layer_kwargs.update(set_parallel_mode=True, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                rng_tracker=rng_tracker)
         self.layers = nn.ModuleList(
             TransformerLayer(config.hidden_size, config.ffn_hidden_size, config.n_head, **layer_kwargs)
             for _ in range(config.n_layer))

@@ -10,6 +10,7 @@ under TP.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -180,9 +181,10 @@ class MultiheadAttention(nn.Module):
                  bias: bool = True, params_dtype=None, device=None, init_method: Optional[Callable] = None,
                  output_layer_init_method: Optional[Callable] = None, fuse_wgrad_accumulation: bool = False,
                  tp_group=None, sequence_parallel: bool = False, set_parallel_mode: bool = False,
-                 zero_centered_gamma: bool = False):
+                 zero_centered_gamma: bool = False, rng_tracker=None):
         super().__init__()
         check_choice("normalization", normalization, NORMALIZATIONS, type(self).__name__)
+        self.rng_tracker = rng_tracker
         tp_size, rank = tp_size_rank(tp_group if set_parallel_mode else None)
         cfg = AttentionConfig(hidden_size, num_attention_heads, num_gqa_groups or num_attention_heads,
                               attn_mask_type, tp_size)
@@ -253,10 +255,12 @@ class MultiheadAttention(nn.Module):
         cfg = self.config
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                             dropout_p=self.attention_dropout if self.training else 0.0,
-                                             is_causal=self._is_causal,
-                                             enable_gqa=cfg.local_groups != cfg.local_heads)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        fork = self.rng_tracker.fork() if self.rng_tracker is not None and dropout_p > 0 else contextlib.nullcontext()
+        with fork:
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                 is_causal=self._is_causal,
+                                                 enable_gqa=cfg.local_groups != cfg.local_heads)
         s, b = ctx.shape[2], ctx.shape[0]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, cfg.local_heads * cfg.head_dim)
         return self.proj(ctx, is_first_microbatch=is_first_microbatch)

@@ -2,6 +2,8 @@
 GEMM in FP8 inside :func:`fp8engine.autocast` (TransformerEngine's ``TransformerLayer`` subset)."""
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable, Optional
 
 import torch
@@ -30,6 +32,9 @@ class TransformerLayer(nn.Module):
             fuse_wgrad_accumulation, bias: passed to the sublayers.
         set_parallel_mode, tp_group, sequence_parallel: tensor (and sequence) parallelism over ``tp_group``; with
             sequence parallelism the input and output are ``[s/tp, b, h]`` and dropout + residual run on the shard.
+        rng_tracker: object with ``fork()`` (:class:`fp8engine.parallel.RNGStatesTracker` after
+            ``model_parallel_manual_seed``): attention dropout, and hidden dropout under sequence parallelism, draw
+            from its per-tensor-parallel-rank state. None: the default generator.
     Raises:
         ValueError: an invalid combination (heads/hidden, groups/heads, tp size vs heads/groups/ffn, unknown
             activation/normalization/mask type), naming what to change.
@@ -42,7 +47,7 @@ class TransformerLayer(nn.Module):
                  init_method: Optional[Callable] = None, output_layer_init_method: Optional[Callable] = None,
                  fuse_qkv_params: bool = True, fuse_wgrad_accumulation: bool = False,
                  zero_centered_gamma: bool = False, bias: bool = True, set_parallel_mode: bool = False,
-                 tp_group=None, sequence_parallel: bool = False):
+                 tp_group=None, sequence_parallel: bool = False, rng_tracker=None):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
@@ -55,14 +60,19 @@ class TransformerLayer(nn.Module):
                                                  attn_mask_type=self_attn_mask_type,
                                                  attention_dropout=attention_dropout,
                                                  layernorm_epsilon=layernorm_epsilon,
-                                                 fuse_qkv_params=fuse_qkv_params, **common)
+                                                 fuse_qkv_params=fuse_qkv_params, rng_tracker=rng_tracker,
+                                                 **common)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, eps=layernorm_epsilon,
                                           **common)
         self.hidden_dropout = hidden_dropout
+        # With sequence parallelism each rank holds a different slice of the sequence: its hidden-dropout mask
+        # comes from the tracker's per-rank state (as in Megatron), not from the default generator shared by all.
+        self._sp_rng = rng_tracker if sequence_parallel and set_parallel_mode else None
 
     def _residual(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
-            branch = F.dropout(branch, self.hidden_dropout, training=True)
+            with self._sp_rng.fork() if self._sp_rng is not None else contextlib.nullcontext():
+                branch = F.dropout(branch, self.hidden_dropout, training=True)
         return residual + branch
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

@@ -25,21 +25,27 @@ __all__ = ["CHECKPOINT_NAME", "capture_rng_state", "restore_rng_state", "save_ch
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from (dropout uses torch's, the rest for completeness)."""
+def capture_rng_state(rng_tracker=None) -> dict[str, Any]:
+    """Every RNG a training step may draw from (dropout uses torch's, and ``rng_tracker``'s named states inside
+    tensor-parallel regions; python/numpy for completeness)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if rng_tracker is not None:
+        state["tracker"] = rng_tracker.get_states()
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state` (CUDA states only when CUDA is available here)."""
+def restore_rng_state(state: dict[str, Any], rng_tracker=None) -> None:
+    """Inverse of :func:`capture_rng_state` (CUDA states only when CUDA is available here; the tracker's states
+    when both the checkpoint and this run have a tracker)."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if rng_tracker is not None and "tracker" in state:
+        rng_tracker.set_states(state["tracker"])
 
 
 def atomic_write(path: Path, write) -> None:

@@ -216,7 +216,7 @@ def read_sharded_settings(out: Path, settings: dict[str, Any]) -> Optional[dict[
 
 
 def load_sharded(out: Path, layout: Layout, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+                 optimizer: torch.optim.Optimizer, rng_tracker=None) -> dict[str, Any]:
     """Load the checkpoint ``latest`` names into ``model`` and ``optimizer`` in place (collective: every rank);
     returns ``{"rng": this rank's RNG states}`` for :func:`~fp8engine.training.checkpoint.restore_rng_state`.
 
@@ -224,7 +224,7 @@ def load_sharded(out: Path, layout: Layout, model: torch.nn.Module,
     DCP reads this rank's tp shard, buffers and RNG states straight into it.
     """
     step_dir = _latest_dir(out)
-    state = _sharded_state(layout, model, optimizer, capture_rng_state())
+    state = _sharded_state(layout, model, optimizer, capture_rng_state(rng_tracker))
     dcp.load(state, checkpoint_id=step_dir)
     t, r = f"tp{layout.tp_rank}", f"rank{layout.rank}"
     set_state_dict(model, optimizer, model_state_dict=state[f"{t}/model"] | state[f"{r}/buffers"],

@@ -68,3 +68,34 @@ def test_transformer_layer_tp8_sequence_parallel(fp8):
     """The tp=8 code path (issue 7's size) on 8 gloo ranks: 8 heads (one per rank), per-rank GEMM dims of 16/32/48
     so the FP8 path runs too; compared with the unsharded layer as above."""
     run_ranks(_worker, 8, True, fp8, (16, 2, 128, 256, 8))
+
+
+def _dropout_worker(rank, ws, use_tracker):
+    from fp8engine.parallel import RNGStatesTracker, model_parallel_manual_seed
+    import torch.distributed as dist
+
+    g = world_group()
+    masks = []
+    for _ in range(2):  # the same seeds twice: the same masks (reproducible)
+        torch.manual_seed(0)
+        tracker = model_parallel_manual_seed(0, rank, RNGStatesTracker("cpu")) if use_tracker else None
+        layer = transformer.TransformerLayer(H, F, HEADS, hidden_dropout=0.5, attention_dropout=0.5,
+                                             set_parallel_mode=True, tp_group=g, sequence_parallel=True,
+                                             rng_tracker=tracker, params_dtype=torch.float64)
+        before = torch.get_rng_state()
+        mask = layer._residual(torch.zeros(S // ws, B, H, dtype=torch.float64),
+                               torch.ones(S // ws, B, H, dtype=torch.float64))
+        # With the tracker the default generator is untouched (data order etc. stay the same on every rank).
+        assert torch.equal(torch.get_rng_state(), before) == use_tracker
+        masks.append(mask)
+    assert torch.equal(masks[0], masks[1])
+    gathered = [torch.empty_like(masks[0]) for _ in range(ws)]
+    dist.all_gather(gathered, masks[0], group=g)
+    # Sequence shards on different ranks: independent masks with the tracker (seed + 2718 + tp_rank), the same
+    # mask repeated on every shard without it (one default generator seeded alike everywhere).
+    assert torch.equal(gathered[0], gathered[1]) != use_tracker
+
+
+@pytest.mark.parametrize("use_tracker", [False, True])
+def test_sequence_parallel_dropout_uses_the_tracker(use_tracker):
+    run_ranks(_dropout_worker, 2, use_tracker)
