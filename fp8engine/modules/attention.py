@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.layernorm_linear import (LayerNormLinear, check_choice, check_divisible, exit_row_parallel,
-                                                master_weight, new_param, no_init, shard, tp_size_rank)
+                                                master_weight, no_init, shard, tp_size_rank)
 from fp8engine.modules.linear import Linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS
 

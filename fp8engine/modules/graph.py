@@ -7,8 +7,6 @@ the active ``autocast`` region (the amaxes are written by the captured casts int
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 

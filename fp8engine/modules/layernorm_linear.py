@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.base import FP8Module
-from fp8engine.modules.linear import default_init
+from fp8engine.ops.init import init_linear_params
 from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS, norm, norm_cast
@@ -76,19 +76,9 @@ def exit_row_parallel(y: torch.Tensor, bias: Optional[torch.Tensor], tp_group, s
 
 def master_weight(out_features: int, in_features: int, bias: bool, init_method: Optional[Callable]
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The full (unsharded) fp32 CPU weight ``[out, in]`` and bias ``[out]`` drawn from the current CPU RNG
-    (Megatron's ``_initialize_affine_weight_cpu``): every rank draws the same master and keeps its slice, so a
-    sharded layer equals the slices of the unsharded layer built with the same seed. ``init_method=None``:
-    ``torch.nn.Linear``'s initialisation (bias included); else ``init_method(weight)`` and a zero bias."""
-    w = torch.empty(out_features, in_features, dtype=torch.float32)
-    b = torch.empty(out_features, dtype=torch.float32) if bias else None
-    if init_method is None:
-        default_init(w, b)
-    else:
-        init_method(w)
-        if b is not None:
-            b.zero_()
-    return w, b
+    """The full (unsharded) fp32 CPU weight ``[out, in]`` and bias ``[out]`` from the current CPU RNG
+    (:func:`fp8engine.ops.init.init_linear_params`): every rank draws the same master and keeps its slice."""
+    return init_linear_params(out_features, in_features, bias, init_method)
 
 
 def shard(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, tp_size: int) -> torch.Tensor:

@@ -1,7 +1,6 @@
 """``fp8engine.Linear``: ``torch.nn.Linear`` whose GEMMs run in FP8 inside ``autocast``."""
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
@@ -9,17 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.base import FP8Module
+from fp8engine.ops.init import default_init
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear, linear_main_grad
 
 __all__ = ["Linear", "default_init"]
-
-
-def default_init(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-    """``torch.nn.Linear``'s initialisation (Kaiming-uniform with a=sqrt(5); bias U(±1/sqrt(fan_in)))."""
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    if bias is not None:
-        bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
-        nn.init.uniform_(bias, -bound, bound)
 
 
 class Linear(FP8Module):

@@ -12,7 +12,6 @@ the same layer built unsharded with the same seed (Megatron's ``_initialize_affi
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
@@ -29,6 +28,7 @@ from fp8engine.parallel.mappings import (gather_from_tensor_model_parallel_regio
                                          reduce_from_tensor_model_parallel_region,
                                          reduce_scatter_to_sequence_parallel_region,
                                          scatter_to_tensor_model_parallel_region)
+from fp8engine.ops.init import init_linear_params
 from fp8engine.parallel.utils import divide, get_group_rank, get_group_size
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "init_full_linear", "all_reduce_sequence_parallel_grads"]
@@ -36,22 +36,9 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "init_full_linear", "all
 
 def init_full_linear(out_features: int, in_features: int, bias: bool, init_method: Optional[Callable],
                      dtype: torch.dtype, device=None):
-    """The unsharded ``(weight [N, K], bias [N] or None)`` exactly as ``fp8engine.Linear`` initialises them:
-    ``init_method(weight)`` and a zero bias, or by default ``torch.nn.Linear``'s Kaiming-uniform (a=sqrt(5))
-    weight and U(+-1/sqrt(K)) bias (``fp8engine.modules.linear.default_init``), drawn from the current RNG."""
-    weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
-    b = torch.empty(out_features, dtype=dtype, device=device) if bias else None
-    with torch.no_grad():
-        if init_method is None:
-            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-            if b is not None:
-                bound = 1 / math.sqrt(in_features)
-                nn.init.uniform_(b, -bound, bound)
-        else:
-            init_method(weight)
-            if b is not None:
-                b.zero_()
-    return weight, b
+    """The unsharded ``(weight [N, K], bias [N] or None)`` exactly as ``fp8engine.Linear`` initialises them
+    (:func:`fp8engine.ops.init.init_linear_params`), drawn from the current RNG."""
+    return init_linear_params(out_features, in_features, bias, init_method, dtype, device)
 
 
 class _TPLinearBase(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
