@@ -9,13 +9,14 @@ costs no Python ``__torch_dispatch__`` overhead in eager mode and is a simple ob
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from fp8engine.fp8.dtypes import FP8_DTYPES, HIGH_PRECISION_DTYPES, fp8_max_of
 
-__all__ = ["Float8Tensor", "quantize", "quantize_current", "current_scale"]
+__all__ = ["Float8Tensor", "quantize", "quantize_current", "current_scale", "use_kernels"]
 
 
 class Float8Tensor:
@@ -55,7 +56,7 @@ class Float8Tensor:
     def transpose_2d(self) -> torch.Tensor:
         """FP8 bits of the 2-D transpose ``[N, M]`` (made once, then kept)."""
         if self._data_t is None:
-            if _use_kernels(self.data):
+            if use_kernels(self.data):
                 from fp8engine.kernels.cast import transpose_fp8
 
                 self._data_t = transpose_fp8(self.data.contiguous())
@@ -81,12 +82,18 @@ def _check_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
 
 
-def _use_kernels(x: torch.Tensor) -> bool:
-    if not x.is_cuda:
-        return False
+@functools.lru_cache(maxsize=None)
+def _kernels_on(device: torch.device) -> bool:
     from fp8engine.kernels import kernels_available
 
-    return kernels_available(x.device)
+    return kernels_available(device)
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """The one dispatch predicate of the FP8 paths: True for a CUDA tensor when the Triton kernels can run there
+    (``kernels_available``, cached per device, so the hot path pays a dict look-up). CPU tensors take the torch
+    path; tests swap the ops' reference to this function to run the kernels under ``TRITON_INTERPRET=1``."""
+    return x.is_cuda and _kernels_on(x.device)
 
 
 def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, *,
@@ -107,7 +114,7 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, *,
     """
     _check_input(x, fp8_dtype)
     scale = scale.reshape(1).float()
-    if _use_kernels(x):
+    if use_kernels(x):
         from fp8engine.kernels.cast import cast_to_fp8
 
         data, data_t, scale_inv = cast_to_fp8(x.contiguous(), scale, fp8_dtype, amax_out, transpose=transpose)

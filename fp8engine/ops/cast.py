@@ -15,7 +15,7 @@ import torch
 
 from fp8engine.fp8.autocast import FP8Context
 from fp8engine.fp8.dtypes import fp8_dtype_of
-from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize, quantize_current
+from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize, quantize_current, use_kernels
 from fp8engine.fp8.state import ScalingState
 from fp8engine.recipe import DelayedScaling
 
@@ -44,22 +44,13 @@ def begin_fp8(state: ScalingState, ctx: FP8Context) -> FP8Plan:
         if state.amax_history.shape[1] != recipe.amax_history_len:
             state.resize_history(recipe.amax_history_len)
         ctx.register(state)
-    fmt = recipe.fp8_format
-    return FP8Plan(fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd), delayed, ctx.record_amax)
+    return _plan(recipe.fp8_format, delayed, ctx.record_amax)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels_on(device: torch.device) -> bool:
-    from fp8engine.kernels import kernels_available
-
-    return kernels_available(device)
-
-
-def use_kernels(x: torch.Tensor) -> bool:
-    """The dispatch predicate of the FP8 ops: True for a CUDA tensor when ``kernels_available(x.device)``
-    (cached per device, so the hot path pays a dict look-up). Tests replace it to run the kernels on CPU under
-    ``TRITON_INTERPRET=1``."""
-    return x.is_cuda and _kernels_on(x.device)
+def _plan(fmt, delayed: bool, record_amax: bool) -> FP8Plan:
+    """The few distinct plans, built once (``begin_fp8`` runs in every FP8 forward)."""
+    return FP8Plan(fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd), delayed, record_amax)
 
 
 def kernel_scale(x: torch.Tensor, state: ScalingState, row: int, plan: FP8Plan, fp8_dtype: torch.dtype, *,

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.cast import FP8Plan, cast_operand
 
@@ -26,14 +26,6 @@ __all__ = ["norm", "norm_cast", "norm_fwd", "norm_bwd", "NORMALIZATIONS"]
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 _HAS_FUSED_RMS = hasattr(torch, "_fused_rms_norm")  # torch >= 2.8: the kernel F.rms_norm runs
-
-
-def _use_kernels(x: torch.Tensor) -> bool:
-    if not x.is_cuda:
-        return False
-    from fp8engine.kernels import kernels_available
-
-    return kernels_available(x.device)
 
 
 def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
@@ -52,7 +44,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         ``(y [..., N] in x.dtype, y_fp8 Float8Tensor [M, N] or None, mean or None, rstd)``; mean/rstd are opaque
         to callers (only :func:`norm_bwd` reads them; their layout depends on the path taken).
     """
-    if _use_kernels(x):  # Triton: normalisation and FP8 cast (delayed scaling) in one pass over x
+    if use_kernels(x):  # Triton: normalisation and FP8 cast (delayed scaling) in one pass over x
         from fp8engine.kernels import norm as kn
 
         x = x.contiguous()
@@ -97,7 +89,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean, rstd, weight: torch.Tensor
              zero_centered_gamma: bool, has_bias: bool):
     """Gradients ``(dx [..., N] in x.dtype, dweight [N], dbias [N] or None)`` of :func:`norm_fwd`'s ``y``
     (``d/dweight`` equals ``d/dgamma``, also with ``zero_centered_gamma``)."""
-    if _use_kernels(x):
+    if use_kernels(x):
         from fp8engine.kernels import norm as kn
 
         dy, x = dy.contiguous(), x.contiguous()
