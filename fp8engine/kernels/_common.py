@@ -56,11 +56,14 @@ FP8_FORMATS = {
 }
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-#: Elements per program of the 1-D reduction of partial sums (stage 2). Columns per program; 256 covers a
-#: 4096-wide dbias with 16 programs, enough for a few-KB reduction that is never on the critical path.
-REDUCE_BLOCK_N = 256
-#: Partial rows per loop step in stage 2 (tile 32 x 256 fp32 = 32 KB of registers per program).
-REDUCE_BLOCK_P = 32
+#: Stage 2 of the partial-sum reduction (``sum_partials``): column block per program = the power of two that gives
+#: about REDUCE_PROGRAMS programs (clamped to [REDUCE_MIN_N, REDUCE_MAX_N]), REDUCE_TILE elements loaded per loop
+#: step (rows per step = REDUCE_TILE // column block). With 16 programs (a fixed 256-column block) a [528, 4096]
+#: dgamma buffer took 33 us on H200 (one SM per program, latency bound); ~1 wave of programs over all SMs is the fix.
+REDUCE_PROGRAMS = 128
+REDUCE_MIN_N = 32
+REDUCE_MAX_N = 256
+REDUCE_TILE = 4096
 
 
 def interpreting() -> bool:
@@ -267,6 +270,13 @@ def _sum_partials_kernel(
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
+def _reduce_blocks(n: int) -> tuple[int, int]:
+    """``(BLOCK_P, BLOCK_N)`` of :func:`sum_partials` for ``n`` columns (a function of ``n`` only, so the summation
+    order, hence the result, is fixed for a given shape)."""
+    block_n = min(REDUCE_MAX_N, max(REDUCE_MIN_N, triton.next_power_of_2(triton.cdiv(n, REDUCE_PROGRAMS))))
+    return REDUCE_TILE // block_n, block_n
+
+
 def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Sum an [P, N] fp32 buffer of partial column sums over P in a fixed order (deterministic) -> [N] out_dtype."""
     p, n = partials.shape
@@ -275,6 +285,7 @@ def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
         return out
     if p == 0:
         return out.zero_()
-    grid = (triton.cdiv(n, REDUCE_BLOCK_N),)
-    _sum_partials_kernel[grid](partials, out, p, n, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
+    block_p, block_n = _reduce_blocks(n)
+    grid = (triton.cdiv(n, block_n),)
+    _sum_partials_kernel[grid](partials, out, p, n, BLOCK_P=block_p, BLOCK_N=block_n)
     return out

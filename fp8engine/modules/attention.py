@@ -128,32 +128,6 @@ class _RowParallelLinear(Linear):
         return exit_row_parallel(y, self.bias, self.tp_group, self.sequence_parallel)
 
 
-class _SplitGroupedQKV(torch.autograd.Function):
-    """Views ``q [s, b, g, h/g, d]``, ``k, v [s, b, g, d]`` of the fused projection output ``[s, b, g*(h/g+2)*d]``.
-
-    Autograd's own slicing would give each view a zero-filled full-size gradient and add the three up; this
-    backward writes dq, dk, dv once each into a single buffer.
-    """
-
-    @staticmethod
-    def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int):
-        grouped = mixed.view(*mixed.shape[:2], groups, heads_per_group + 2, head_dim)
-        ctx.shape, ctx.hpg = grouped.shape, heads_per_group
-        return grouped[:, :, :, :heads_per_group], grouped[:, :, :, heads_per_group], \
-            grouped[:, :, :, heads_per_group + 1]
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        hpg = ctx.hpg
-        grad = dq.new_empty(ctx.shape)
-        for part, g in ((grad[:, :, :, :hpg], dq), (grad[:, :, :, hpg], dk), (grad[:, :, :, hpg + 1], dv)):
-            if g is None:
-                part.zero_()
-            else:
-                part.copy_(g)
-        return grad.flatten(2), None, None, None
-
-
 class MultiheadAttention(nn.Module):
     """Self-attention: (norm +) QKV projection, rotary embedding, scaled dot-product attention, output projection.
 
@@ -219,13 +193,16 @@ class MultiheadAttention(nn.Module):
         self._is_causal = attn_mask_type == "causal"
         self._padding = attn_mask_type == "padding"
 
-    def _split_qkv(self, mixed: torch.Tensor):
+    def _qkv(self, hidden_states: torch.Tensor, is_first_microbatch: Optional[bool]):
+        """The projection as ``q [s, b, H_local, d]``, ``k, v [s, b, G_local, d]`` (views, no copy)."""
         cfg = self.config
-        s, b = mixed.shape[:2]
+        qkv = self.layernorm_qkv if self._input_layernorm else self.qkv
         hl, gl, d = cfg.local_heads, cfg.local_groups, cfg.head_dim
         if self.fuse_qkv_params:
-            q, k, v = _SplitGroupedQKV.apply(mixed, gl, hl // gl, d)
-            return q.reshape(s, b, hl, d), k, v
+            q, k, v = qkv(hidden_states, is_first_microbatch=is_first_microbatch, qkv_split=(gl, hl // gl, d))
+            return q.reshape(*q.shape[:2], hl, d), k, v
+        mixed = qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+        s, b = mixed.shape[:2]
         q, k, v = mixed.split([hl * d, gl * d, gl * d], dim=-1)
         return q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d)
 
@@ -247,9 +224,7 @@ class MultiheadAttention(nn.Module):
                              "attn_mask_type")
         else:
             attn_mask = None
-        qkv = self.layernorm_qkv if self._input_layernorm else self.qkv
-        mixed = qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-        q, k, v = self._split_qkv(mixed)
+        q, k, v = self._qkv(hidden_states, is_first_microbatch)
         if rotary_pos_emb is not None:
             q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
         cfg = self.config

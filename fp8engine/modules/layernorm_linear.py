@@ -19,6 +19,7 @@ from fp8engine.ops.init import init_linear_params
 from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS, norm, norm_cast
+from fp8engine.ops.qkv import fp8_linear_qkv, split_grouped_qkv
 
 __all__ = ["LayerNormLinear"]
 
@@ -191,10 +192,13 @@ class LayerNormLinear(FP8Module):
         b = torch.cat([getattr(self, n) for n in self._bias_names]) if self._bias_names else None
         return w, b
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                qkv_split: Optional[tuple[int, int, int]] = None):
         """``x``: ``[s, b, K]`` (``[s/tp, b, K]`` when sequence parallel) -> ``[s, b, N_local]``, or
         ``(y, norm(x))`` with ``return_layernorm_output``. ``is_first_microbatch``: FP8 weight caching
-        (see :class:`fp8engine.modules.base.FP8WeightCache`)."""
+        (see :class:`fp8engine.modules.base.FP8WeightCache`). ``qkv_split = (g, hpg, d)`` (MultiheadAttention's
+        fused QKV weight): return ``(q, k, v)``, the grouped views of :func:`fp8engine.ops.qkv.fp8_linear_qkv`,
+        instead of ``y``."""
         plan = self.fp8_begin()
         weight, bias = self._weight_bias()
         ln_fp8 = None
@@ -206,17 +210,24 @@ class LayerNormLinear(FP8Module):
         else:
             ln, ln_fp8 = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
                                    zero_centered_gamma=self.zero_centered_gamma, state=self.fp8_state, row=0,
-                                   plan=plan, transpose=torch.is_grad_enabled())
+                                   plan=plan, transpose=torch.is_grad_enabled(),
+                                   return_hp=self.return_layernorm_output)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         if plan is None:
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
                 out = linear_main_grad(total, weight, bias)
             else:
                 out = F.linear(total, weight, bias)
+            if qkv_split is not None:
+                out = split_grouped_qkv(out, *qkv_split)
         else:
             w_fp8 = self.fp8_weight("weight", weight, "weight", plan, is_first_microbatch)
-            out = fp8_linear(total, weight, bias, self.fp8_state, plan, w_fp8=w_fp8, x_fp8=ln_fp8,
-                             fuse_wgrad=self.fuse_wgrad_accumulation)
+            if qkv_split is not None:
+                out = fp8_linear_qkv(total, weight, bias, self.fp8_state, plan, qkv_split, w_fp8=w_fp8,
+                                     x_fp8=ln_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
+            else:
+                out = fp8_linear(total, weight, bias, self.fp8_state, plan, w_fp8=w_fp8, x_fp8=ln_fp8,
+                                 fuse_wgrad=self.fuse_wgrad_accumulation)
         return (out, ln) if self.return_layernorm_output else out
 
     def extra_repr(self) -> str:

@@ -118,7 +118,7 @@ class LayerNormMLP(FP8Module):
         else:
             ln, ln_fp8 = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
                                    zero_centered_gamma=self.zero_centered_gamma, state=st, row=_FC1_ROWS[0],
-                                   plan=plan, transpose=grad)
+                                   plan=plan, transpose=grad, return_hp=self.return_layernorm_output)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         w1 = self.fp8_weight("fc1_weight", self.fc1_weight, "fc1_weight", plan, is_first_microbatch)
         w2 = self.fp8_weight("fc2_weight", self.fc2_weight, "fc2_weight", plan, is_first_microbatch)

@@ -20,7 +20,7 @@ from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand
 from fp8engine.ops.gemm import fp8_gemm, fp8_mm
 
-__all__ = ["fp8_linear", "LINEAR_ROLES", "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad"]
+__all__ = ["fp8_linear", "LINEAR_ROLES", "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")
@@ -76,19 +76,26 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        (weight,) = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
-        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        need_dw = need_dw or ctx.fuse_wgrad
-        dy_fp8, db = cast_grad(dy2d, ctx.state, ctx.grad_row, ctx.plan, transpose=need_dw, dbias=need_db)
-        dx, dw = dgrad_wgrad(dy_fp8, ctx.w_t if need_dx else None, ctx.x_t if need_dw else None, weight,
-                             ctx.fuse_wgrad)
-        ctx.x_t = ctx.w_t = None
-        if dx is not None:
-            dx = dx.reshape(ctx.x_shape)
-        if db is not None:
-            db = db.to(weight.dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        need_dw = ctx.needs_input_grad[1] or ctx.fuse_wgrad
+        dy_fp8, db = cast_grad(dy2d, ctx.state, ctx.grad_row, ctx.plan, transpose=need_dw,
+                               dbias=ctx.needs_input_grad[2])
+        return linear_backward(ctx, dy_fp8, db)
+
+
+def linear_backward(ctx, dy_fp8: Float8Tensor, db: Optional[torch.Tensor]) -> tuple:
+    """dgrad + wgrad of an ``_FP8Linear`` node given its output gradient already in FP8 (``dy_fp8 [M, N]``) and
+    its bias gradient ``db`` (or None); returns the node's input gradients ``(dx, dw, db, None x 6)``."""
+    (weight,) = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.fuse_wgrad
+    dx, dw = dgrad_wgrad(dy_fp8, ctx.w_t if need_dx else None, ctx.x_t if need_dw else None, weight,
+                         ctx.fuse_wgrad)
+    ctx.x_t = ctx.w_t = None
+    if dx is not None:
+        dx = dx.reshape(ctx.x_shape)
+    if db is not None:
+        db = db.to(weight.dtype)
+    return dx, dw, db, None, None, None, None, None, None
 
 
 def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple], weight: torch.Tensor,

@@ -33,13 +33,16 @@ def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
 
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
-             zero_centered_gamma: bool, fp8: Optional[tuple] = None):
+             zero_centered_gamma: bool, fp8: Optional[tuple] = None, return_hp: bool = True):
     """Normalise the last dim of ``x`` and, with ``fp8 = (state, row, plan, transpose)``, cast the result.
 
     Args:
         x: ``[..., N]`` float32/bfloat16/float16. weight, bias: ``[N]`` (bias None for RMSNorm).
         fp8: where the FP8 output's scale/amax live (``state`` row ``row``, see :func:`cast_operand`) and whether
             to also make its transpose (for wgrad).
+        return_hp: False when only the FP8 copy is consumed: the fused kernel (delayed scaling) then skips writing
+            the high-precision output and ``y`` is a placeholder of the right shape and dtype whose values must
+            not be read (it only carries the gradient back to this op, see :class:`_NormCast`).
     Returns:
         ``(y [..., N] in x.dtype, y_fp8 Float8Tensor [M, N] or None, mean or None, rstd)``; mean/rstd are opaque
         to callers (only :func:`norm_bwd` reads them; their layout depends on the path taken).
@@ -49,6 +52,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
 
         x = x.contiguous()
         delayed = fp8 is not None and fp8[2].delayed
+        return_hp = return_hp or not delayed  # the torch cast of current scaling reads y
         scale = fp8_dtype = amax_out = None
         if delayed:
             state, row, plan, _ = fp8
@@ -56,12 +60,16 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             amax_out = state.amax_history[row, 0:1] if plan.record_amax else None
         if rms:
             y, y8, scale_inv, rstd = kn.rmsnorm_fwd(x, weight, eps, zero_centered_gamma=zero_centered_gamma,
-                                                    scale=scale, fp8_dtype=fp8_dtype, amax_out=amax_out)
+                                                    scale=scale, fp8_dtype=fp8_dtype, amax_out=amax_out,
+                                                    return_hp=return_hp)
             mean = None
         else:
             y, y8, scale_inv, mean, rstd = kn.layernorm_fwd(x, weight, bias, eps,
                                                             zero_centered_gamma=zero_centered_gamma, scale=scale,
-                                                            fp8_dtype=fp8_dtype, amax_out=amax_out)
+                                                            fp8_dtype=fp8_dtype, amax_out=amax_out,
+                                                            return_hp=return_hp)
+        if y is None:  # gradient carrier only: one element broadcast to y's shape, no [M, N] write
+            y = x.new_empty(()).expand(x.shape)
         y_fp8 = None
         if delayed:
             y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype)
@@ -115,9 +123,9 @@ class _NormCast(torch.autograd.Function):
     through ``y``, see :func:`fp8engine.ops.linear.fp8_linear`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma, fp8):
+    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma, fp8, return_hp=True):
         y, y_fp8, mean, rstd = norm_fwd(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma,
-                                        fp8=fp8)
+                                        fp8=fp8, return_hp=return_hp)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.rms, ctx.zero_centered_gamma, ctx.has_bias = rms, zero_centered_gamma, bias is not None
         return y, y_fp8
@@ -127,7 +135,7 @@ class _NormCast(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = norm_bwd(dy, x, mean, rstd, weight, rms=ctx.rms, zero_centered_gamma=ctx.zero_centered_gamma,
                               has_bias=ctx.has_bias)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
@@ -139,7 +147,10 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ep
 
 def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
               zero_centered_gamma: bool, state: ScalingState, row: int, plan: FP8Plan,
-              transpose: bool) -> tuple[torch.Tensor, Float8Tensor]:
+              transpose: bool, return_hp: bool = True) -> tuple[torch.Tensor, Float8Tensor]:
     """:func:`norm` plus the FP8 copy ``[M, N]`` of its output cast for ``state`` row ``row`` (with its transpose
-    when ``transpose``, for the wgrad of the GEMM that consumes it). Returns ``(y, y_fp8)``."""
-    return _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, (state, row, plan, transpose))
+    when ``transpose``, for the wgrad of the GEMM that consumes it). Returns ``(y, y_fp8)``.
+
+    ``return_hp=False``: the caller only consumes ``y_fp8`` and uses ``y`` as the tensor its gradient flows
+    through (shape and dtype only); the fused kernel then skips the high-precision write (see :func:`norm_fwd`)."""
+    return _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, (state, row, plan, transpose), return_hp)

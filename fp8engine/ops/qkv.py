@@ -1,0 +1,106 @@
+"""The fused QKV projection of attention as one FP8 linear whose output comes back as the grouped ``q, k, v``.
+
+Layout (Megatron-LM / TransformerEngine interleaved QKV): the projection output ``[s, b, C]``,
+``C = g * (hpg + 2) * d``, is ``[s, b, g, hpg + 2, d]``: per KV group its ``hpg`` query heads, its key head, its
+value head. Forward returns the views ``q [s, b, g, hpg, d]``, ``k, v [s, b, g, d]`` (no copy).
+
+Backward receives ``dq, dk, dv`` (as scaled-dot-product attention's backward returns them, any strides). With the
+Triton kernels and delayed scaling they are cast straight into the FP8 output gradient, its transpose and the bias
+gradient by ``kernels.qkv_grad.qkv_grad_cast_transpose_dbias`` (one pass; no ``[T, C]`` high-precision buffer).
+Otherwise they are copied into that buffer (:func:`kernels.qkv_grad.assemble_qkv_grad`) and cast as any linear's
+output gradient. Both give the same FP8 bits and bias gradient; dgrad and wgrad are then the linear's own
+(:func:`fp8engine.ops.linear.linear_backward`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.state import ScalingState
+from fp8engine.kernels.qkv_grad import assemble_qkv_grad
+from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand, kernel_scale, use_kernels
+from fp8engine.ops.linear import _FP8Linear, _GRAD, _INPUT, _WEIGHT, linear_backward
+
+__all__ = ["fp8_linear_qkv", "split_grouped_qkv"]
+
+
+def _views(y: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
+    grouped = y.view(*y.shape[:-1], groups, heads_per_group + 2, head_dim)
+    return grouped, (grouped[..., :heads_per_group, :], grouped[..., heads_per_group, :],
+                     grouped[..., heads_per_group + 1, :])
+
+
+class _SplitGroupedQKV(torch.autograd.Function):
+    """High-precision split: the views of ``mixed``; backward writes dq, dk, dv once each into one buffer
+    (autograd's own slicing would give each view a zero-filled full-size gradient and add the three up)."""
+
+    @staticmethod
+    def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int):
+        ctx.hpg = heads_per_group
+        return _views(mixed, groups, heads_per_group, head_dim)[1]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        return assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg), None, None, None
+
+
+def split_grouped_qkv(mixed: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
+    """``mixed [s, b, g * (hpg + 2) * d]`` -> views ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d])``."""
+    return _SplitGroupedQKV.apply(mixed, groups, heads_per_group, head_dim)
+
+
+class _FP8LinearQKV(torch.autograd.Function):
+    """:class:`fp8engine.ops.linear._FP8Linear` whose output is returned as the grouped q, k, v views."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, state: ScalingState,
+                plan: FP8Plan, fuse_wgrad: bool, grad_row: int, split: tuple):
+        y = _FP8Linear.forward(ctx, x, weight, bias, x_fp8, w_fp8, state, plan, fuse_wgrad, grad_row)
+        ctx.hpg = split[1]
+        return _views(y, *split)[1]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        need_db = ctx.needs_input_grad[2]
+        need_dw = ctx.needs_input_grad[1] or ctx.fuse_wgrad
+        state, plan, row = ctx.state, ctx.plan, ctx.grad_row
+        if plan.delayed and dq is not None and dk is not None and dv is not None and use_kernels(dq):
+            from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
+
+            scale, amax_out = kernel_scale(dq, state, row, plan, plan.bwd_dtype, grad=True)
+            data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, scale, plan.bwd_dtype, amax_out)
+            dy_fp8, db = Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if need_db else None)
+        else:
+            dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg)
+            dy_fp8, db = cast_grad(dy.reshape(-1, dy.shape[-1]), state, row, plan, transpose=need_dw,
+                                   dbias=need_db)
+        return (*linear_backward(ctx, dy_fp8, db), None)
+
+
+def fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: ScalingState,
+                   plan: FP8Plan, split: tuple[int, int, int], *, w_fp8: Optional[Float8Tensor] = None,
+                   x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False):
+    """FP8 QKV projection ``x @ weight.T + bias`` returned as ``(q, k, v)`` grouped views.
+
+    Args:
+        x: ``[s, b, K]`` high precision. weight: ``[C, K]`` with ``C = g * (hpg + 2) * d`` rows in the grouped
+            layout (module docstring); bias ``[C]`` or None. state/plan/w_fp8/x_fp8/fuse_wgrad: as
+            :func:`fp8engine.ops.linear.fp8_linear` (rows ``LINEAR_ROLES``).
+        split: ``(g, hpg, d)`` -- KV groups, query heads per group, head dim (per rank).
+    Returns:
+        ``q [s, b, g, hpg, d]``, ``k [s, b, g, d]``, ``v [s, b, g, d]`` in ``x.dtype`` (views of one buffer).
+    Raises:
+        ValueError: ``g * (hpg + 2) * d`` is not the weight's row count.
+    """
+    groups, hpg, d = split
+    if groups * (hpg + 2) * d != weight.shape[0]:
+        raise ValueError(f"fp8_linear_qkv: split {split} gives {groups * (hpg + 2) * d} output features, but the "
+                         f"weight has {weight.shape[0]} rows")
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if x_fp8 is None:
+        x_fp8 = cast_operand(x.reshape(-1, x.shape[-1]), state, _INPUT, plan, transpose=needs_grad)
+    if w_fp8 is None:
+        w_fp8 = cast_operand(weight, state, _WEIGHT, plan, transpose=needs_grad)
+    return _FP8LinearQKV.apply(x, weight, bias, x_fp8, w_fp8, state, plan, fuse_wgrad, _GRAD, tuple(split))
