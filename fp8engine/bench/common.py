@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["time_fn", "peak_memory_gib", "print_table", "write_json", "env_info"]
+__all__ = ["time_fn", "time_back_to_back", "peak_memory_gib", "print_table", "write_json", "env_info"]
 
 
 def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
@@ -39,6 +39,31 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10, devic
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_back_to_back(fn: Callable[[], object], *, steps: int = 5, repeats: int = 10, warmup: int = 3,
+                      device: str = "cuda") -> float:
+    """Milliseconds per call of ``fn()`` when ``steps`` calls are issued back to back (no synchronisation between
+    them, as consecutive training steps run): median over ``repeats`` of (CUDA-event time of the run) / steps.
+
+    :func:`time_fn` synchronises before every call, so each call also pays the host time until its first kernels
+    reach the GPU; here that host time overlaps the previous call's GPU work.
+    """
+    if not (device == "cuda" and torch.cuda.is_available()):
+        return time_fn(fn, warmup=warmup, iters=repeats, device=device)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
     return statistics.median(times)
 
 

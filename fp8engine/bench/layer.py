@@ -5,6 +5,10 @@ bf16 pre-LN block of ../shared/ANCHORS.md, and torchao.float8 (tensorwise) on th
 With ``--tp T`` (launch with ``torchrun --nproc-per-node T``) the layer runs tensor parallel with sequence
 parallelism over T GPUs, same global batch; times are per step (every rank runs the step concurrently).
 
+Two timings per row: ``ms`` = median of single steps, each after a synchronisation (the ANCHORS.md method: every
+step also pays the host time until its first kernels reach the GPU); ``ms back-to-back`` = median over repeats of
+5 steps issued without synchronisation, per step (consecutive training steps; host time overlaps GPU work).
+
 FLOPs per step (fwd+bwd = 3x fwd): GEMMs ``2*t*(4*h*h + 2*h*f)`` per fwd, t = s*b tokens; causal attention
 ``2*b*s*s*h`` per fwd (QK^T and PV, halved by the mask).
 """
@@ -18,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8engine as fe
-from fp8engine.bench.common import env_info, peak_memory_gib, print_table, time_fn, write_json
+from fp8engine.bench.common import env_info, peak_memory_gib, print_table, time_back_to_back, time_fn, write_json
 from fp8engine.bench.torchao_ref import torchao_available, torchao_float8
 
 
@@ -114,8 +118,11 @@ def run_single(args) -> list[dict]:
     rows, flops = [], layer_flops(s, b, h, f)
     for name, model, recipe in cases:
         peak_memory_gib(reset=True)
-        ms = time_fn(_step(model, x, dy, recipe), warmup=3, iters=args.iters, device=dev)
-        rows.append({"impl": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "peak_GiB": peak_memory_gib()})
+        step = _step(model, x, dy, recipe)
+        ms = time_fn(step, warmup=3, iters=args.iters, device=dev)
+        ms_b2b = time_back_to_back(step, steps=5, repeats=args.iters, device=dev)
+        rows.append({"impl": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "ms back-to-back": ms_b2b,
+                     "peak_GiB": peak_memory_gib()})
     return rows
 
 

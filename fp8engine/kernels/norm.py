@@ -9,7 +9,8 @@ also writes ``y_fp8 = saturate(y_fp32 * scale).to(fp8_dtype)`` (from the fp32 y,
 Backward (xhat = (x - mean) * rstd, wdy = dy * gamma):
     LayerNorm: dx = rstd * (wdy - mean(xhat * wdy) * xhat - mean(wdy)),  RMSNorm: dx = rstd * (wdy - mean(xhat*wdy)*xhat)
     dgamma = sum_rows(dy * xhat), dbeta = sum_rows(dy)   (d/dweight is the same with zero_centered_gamma)
-dgamma / dbeta are reduced in two deterministic stages (per-program partial sums in fp32, then a fixed-order sum).
+dgamma / dbeta are reduced in two deterministic stages (per-program partial sums in fp32 side by side in one buffer,
+then one fixed-order sum over it).
 
 Structure after the Triton tutorial 05-layer-norm (one program per group of rows, the whole row in registers;
 two-stage dgamma/dbeta), rewritten: several rows per program for narrow rows, a strided row loop in backward
@@ -144,10 +145,11 @@ def _norm_bwd_kernel(
     mean_ptr,  # [M] fp32 row means from forward (LayerNorm only)
     rstd_ptr,  # [M] fp32 row rstd from forward
     dx_ptr,  # [M, N] output gradient in x's dtype
-    dw_part_ptr,  # [num_programs, N] fp32 partial dgamma, one row per program
-    db_part_ptr,  # [num_programs, N] fp32 partial dbeta (LayerNorm only)
+    part_ptr,  # [num_programs, PART_N] fp32 partial sums, one row per program: dgamma in columns [0, N), dbeta in
+    # [N, 2N) (LayerNorm only; PART_N = 2N, else N), so one reduction launch covers both
     M,
     N,
+    PART_N,
     IS_RMS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -186,9 +188,9 @@ def _norm_bwd_kernel(
         dw_acc += dy * xhat
         if not IS_RMS:
             db_acc += dy
-    tl.store(dw_part_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
+    tl.store(part_ptr + pid * PART_N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if not IS_RMS:
-        tl.store(db_part_ptr + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
+        tl.store(part_ptr + pid * PART_N + N + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
 def _check_vec(v, name, n, x, op):
@@ -266,20 +268,16 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op):
         programs = min(tiles, NORM_BWD_WAVES * torch.cuda.get_device_properties(x.device).multi_processor_count)
     programs = max(programs, 1)
     dx = torch.empty_like(x)
-    dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device)
-    db_part = None if is_rms else torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    part_n = n if is_rms else 2 * n
+    part = torch.empty((programs, part_n), dtype=torch.float32, device=x.device)
     _norm_bwd_kernel[(programs,)](
-        dy, x2, weight, mean if mean is not None else rstd, rstd, dx, dw_part,
-        db_part if db_part is not None else dw_part, m, n,
+        dy, x2, weight, mean if mean is not None else rstd, rstd, dx, part, m, n, part_n,
         IS_RMS=is_rms, ZERO_CENTERED=zero_centered_gamma, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
     if m == 0:
-        dw_part.zero_()
-        if db_part is not None:
-            db_part.zero_()
-    dgamma = sum_partials(dw_part, weight.dtype)
-    dbeta = sum_partials(db_part, weight.dtype) if db_part is not None else None
-    return dx, dgamma, dbeta
+        part.zero_()
+    sums = sum_partials(part, weight.dtype)  # [dgamma | dbeta]
+    return dx, sums[:n], (None if is_rms else sums[n:])
 
 
 def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, scale=None, fp8_dtype=None, amax_out=None,
