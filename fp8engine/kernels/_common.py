@@ -75,14 +75,14 @@ def emulate_fp8_cvt(tiled_transpose: bool = False) -> bool:
     the launcher asks (``tiled_transpose=True``, see below), elsewhere on GPU only when forced by
     FP8ENGINE_EMULATE_FP8_CVT=1.
 
-    Why tiled kernels may emulate: on H200 with Triton 3.6 the hardware conversion inside the cast-transpose tile
-    kernels wrote wrong bytes for some configurations (fp32 inputs, N < 64, SwiGLU's two halves): in the
-    transposed copy and in one case in the row-major copy too, whether the 8-bit tile or the fp32 tile was
-    transposed (cf. triton-lang/triton#11111, fp8 transposed stores miscompiled). The launchers therefore pass
-    ``tiled_transpose=True`` except for the verified case (``cast._hw_cvt_ok``: 16-bit inputs on full 64 x 128
-    tiles; not SwiGLU), where GPU tests compare the hardware bytes with the emulation's. The integer emulation is
-    bit-exact in every tested configuration; it costs ALU time (H200, 32768 x 4096 bf16 -> e4m3 cast-transpose:
-    0.21 ms with the hardware conversion vs 0.29 ms emulated).
+    Why tiled kernels emulate: on H200 with Triton 3.6 the hardware conversion inside tile kernels that also write
+    the transposed copy wrote wrong bytes for some configurations (fp32 inputs, N < 64, SwiGLU's two halves, and
+    the GELU backward on bf16 64 x 128 tiles: NaN bytes where torch has finite values): in the transposed copy
+    and in one case in the row-major copy too, whether the 8-bit tile or the fp32 tile was transposed (cf.
+    triton-lang/triton#11111, fp8 transposed stores miscompiled). Only the plain cast-transpose of 16-bit inputs on
+    full 64 x 128 tiles (``cast._hw_cvt_ok``) uses the hardware conversion, checked bit-exact against the
+    emulation by the GPU tests. The emulation is bit-exact in every tested configuration; it costs ALU time (H200,
+    32768 x 4096 bf16 -> e4m3 cast-transpose: 0.21 ms with the hardware conversion vs 0.29 ms emulated).
     """
     return interpreting() or tiled_transpose or os.environ.get("FP8ENGINE_EMULATE_FP8_CVT") == "1"
 

@@ -12,23 +12,16 @@ Formulas (fp32 math):
     swiglu(x) = silu(g) * u for x = [g | u] of shape [M, 2N] (g = x[:, :N] is the gate), output [M, N];
                 dg = dy u sig(g) (1 + g (1 - sig(g))),  du = dy silu(g);  dx = [dg | du] of shape [M, 2N]
 
-Forward ``*_fwd(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False, transpose=False)`` returns
-``(y_hp in x.dtype or None, y_fp8 or None, y_fp8_t or None, scale_inv or None)``; y_fp8 = saturate(y_fp32 * scale)
-(multiply by scale to enter the FP8 range), of shape [..., N]; with ``transpose=True`` (needs scale) also y_fp8_t, its
-[N, M] transpose (M = product of the leading dims), written by the same pass; scale_inv a new [1] fp32 = 1/scale,
-amax_out gets atomic max of |y_fp32| (NaN -> +inf). Without scale, return_hp must be True.
+Forward ``*_fwd(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False)`` returns
+``(y_hp in x.dtype or None, y_fp8 or None, scale_inv or None)``; y_fp8 = saturate(y_fp32 * scale) (multiply by scale
+to enter the FP8 range), scale_inv a new [1] fp32 = 1/scale, amax_out gets atomic max of |y_fp32| (NaN -> +inf).
+Without scale, return_hp must be True.
 
 Backward ``*_bwd_cast_transpose(dy, x, scale, fp8_dtype, amax_out=None)`` returns
 ``(dx, dx_t, scale_inv, dbias)``: with a scale, dx is FP8 (x's shape), dx_t its [NC, M] FP8 transpose (NC = N, or 2N
 for SwiGLU), scale_inv new [1] fp32, amax_out updated with max|dx_fp32|; with ``scale=None`` (high-precision variant)
 dx is in dy.dtype and dx_t, scale_inv are None. dbias [NC] = column sums of the fp32 dx, cast to dy.dtype
 (deterministic two-stage reduction). dy and x must have the same dtype.
-
-Tiles and FP8 conversion: the forward without transpose runs FWD_BLOCK_M x FWD_BLOCK_N tiles with the hardware
-conversion (``emulate_fp8_cvt()``). The passes that write a transposed FP8 copy (forward with transpose, backward)
-run cast.py's cast-transpose tile and use the hardware conversion only where cast.py's ``_hw_cvt_ok`` holds
-(16-bit input, M and the output's N multiples of the 64 x 128 tile) and the activation is not SwiGLU, whose two-half
-tiles wrote wrong bytes with it on H200 / Triton 3.6; elsewhere the exact integer emulation (see ``_common``).
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ import torch.nn.functional as F
 
 from ._common import (
     _abs_max,
+    _quantize,
     _store_tile,
     _write_scale_inv,
     amax_reference,
@@ -57,7 +51,6 @@ from ._common import (
     tl,
     triton,
 )
-from .cast import TILE_M, TILE_N, TILE_WARPS, _hw_cvt_ok
 
 __all__ = [
     "gelu_fwd",
@@ -77,18 +70,13 @@ __all__ = [
 _GELU, _RELU, _SWIGLU = 0, 1, 2
 _K = math.sqrt(2.0 / math.pi)
 _C = 0.044715
-#: Forward tile without the transposed copy (rows x cols of the output): 4096 elements per program, 32 per thread at
-#: 4 warps; 256 columns give 512-byte bf16 row segments. Not tuned; the ANCHORS cast used 8192 elements per program.
+#: Forward tile (rows x cols of the output): 4096 elements per program, 32 per thread at 4 warps; 256 columns give
+#: 512-byte bf16 row segments. Not tuned; the ANCHORS cast used 8192 elements per program.
 FWD_BLOCK_M = 16
 FWD_BLOCK_N = 256
-FWD_WARPS = 4
-#: Tile (rows x cols, warps) of the passes that also write the transposed FP8 copy: the forward with
-#: ``transpose=True`` and the backward. It is cast.py's cast-transpose tile (TILE_M x TILE_N = 64 x 128, 4 warps),
-#: shared with it: measured there for the plain cast-transpose (tools/tune_cast_transpose.py, H200), not separately
-#: tuned for the activation kernels, which add elementwise math (and for SwiGLU a second input and output tile).
-CT_BLOCK_M = TILE_M
-CT_BLOCK_N = TILE_N
-CT_WARPS = TILE_WARPS
+#: Backward tile: the cast-transpose tile of cast.py (64 x 64, 4 warps).
+BWD_BLOCK_M = 64
+BWD_BLOCK_N = 64
 
 
 @triton.jit
@@ -101,7 +89,6 @@ def _act_fwd_kernel(
     x_ptr,  # [M, N] input ([M, 2N] = [gate | up] for SwiGLU), row-major, high precision
     y_ptr,  # [M, N] high-precision output in x's dtype; only if WRITE_HP
     y8_ptr,  # [M, N] FP8 bits (uint8); only if WRITE_FP8
-    y8_t_ptr,  # [N, M] FP8 bits (uint8) of the transpose; only if WRITE_FP8 and WRITE_T
     scale_ptr,  # [1] fp32 FP8 scale; only if WRITE_FP8
     scale_inv_ptr,  # [1] fp32, receives 1/scale; only if WRITE_FP8
     amax_ptr,  # [1] fp32, atomic max of |y|; only if HAS_AMAX
@@ -110,7 +97,6 @@ def _act_fwd_kernel(
     ACT: tl.constexpr,
     WRITE_HP: tl.constexpr,
     WRITE_FP8: tl.constexpr,
-    WRITE_T: tl.constexpr,
     HAS_AMAX: tl.constexpr,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
@@ -138,7 +124,7 @@ def _act_fwd_kernel(
         tl.store(y_ptr + rows * N + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if WRITE_FP8:
         scale = tl.load(scale_ptr)
-        _store_tile(y, offs_m, offs_n, M, N, N, y8_ptr, y8_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE, True, WRITE_T)
+        tl.store(y8_ptr + rows * N + offs_n[None, :], _quantize(y, scale, FP8_MAX, IS_E4M3, EMULATE), mask=mask)
         if HAS_AMAX:
             tl.atomic_max(amax_ptr, _abs_max(y, mask))
         if (pid_m == 0) & (pid_n == 0):
@@ -219,47 +205,32 @@ def _check_fp8_args(x, scale, fp8_dtype, amax_out, op, scale_required):
     return fp8_format(fp8_dtype, op) if scale is not None else (448.0, True)
 
 
-def _tiled_emulate(x2, act):
-    """EMULATE of the passes writing a transposed FP8 copy, for the input ``x2`` [M, NC] (for GELU / ReLU the
-    output's shape): the hardware conversion only under cast.py's ``_hw_cvt_ok`` (16-bit, full 64 x 128 tiles) and
-    not for SwiGLU (wrong bytes with it on H200 / Triton 3.6); forced to the emulation by ``emulate_fp8_cvt``."""
-    return emulate_fp8_cvt(tiled_transpose=act == _SWIGLU or not _hw_cvt_ok(x2))
-
-
-def _act_fwd(x, act, scale, fp8_dtype, amax_out, return_hp, transpose, op):
+def _act_fwd(x, act, scale, fp8_dtype, amax_out, return_hp, op):
     check_launchable(x, op)
     check_hp(x, "x", op)
     fp8_max, is_e4m3 = _check_fp8_args(x, scale, fp8_dtype, amax_out, op, True)
     write_fp8 = scale is not None
     if not write_fp8 and not return_hp:
         raise ValueError(f"{op}: without scale/fp8_dtype pass return_hp=True, or there is no output")
-    if transpose and not write_fp8:
-        raise ValueError(f"{op}: transpose=True transposes the FP8 output; pass scale and fp8_dtype")
     nc = x.shape[-1]
     if act == _SWIGLU and nc % 2:
         raise ValueError(f"{op}: SwiGLU needs an even last dim ([gate | up]), got {nc}")
     n = nc // 2 if act == _SWIGLU else nc
     out_shape = (*x.shape[:-1], n)
-    x2 = as_2d(x)
-    m = x2.shape[0]
+    m = as_2d(x).shape[0]
     y = torch.empty(out_shape, dtype=x.dtype, device=x.device) if return_hp else None
     y8 = torch.empty(out_shape, dtype=fp8_dtype, device=x.device) if write_fp8 else None
-    y8_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if transpose else None
     scale_inv = new_scale_inv(x.device) if write_fp8 else None
     dummy = scale_inv if write_fp8 else y
-    if transpose:
-        block_m, block_n, warps, emulate = CT_BLOCK_M, CT_BLOCK_N, CT_WARPS, _tiled_emulate(x2, act)
-    else:
-        block_m, block_n, warps, emulate = FWD_BLOCK_M, FWD_BLOCK_N, FWD_WARPS, emulate_fp8_cvt()
-    grid = (max(1, triton.cdiv(m, block_m)), max(1, triton.cdiv(n, block_n)))
+    grid = (max(1, triton.cdiv(m, FWD_BLOCK_M)), max(1, triton.cdiv(n, FWD_BLOCK_N)))
     _act_fwd_kernel[grid](
         x, y if y is not None else dummy, y8.view(torch.uint8) if y8 is not None else dummy,
-        y8_t.view(torch.uint8) if y8_t is not None else dummy, scale if write_fp8 else dummy,
-        scale_inv if write_fp8 else dummy, amax_out if amax_out is not None else dummy, m, n,
-        ACT=act, WRITE_HP=return_hp, WRITE_FP8=write_fp8, WRITE_T=transpose, HAS_AMAX=amax_out is not None,
-        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, EMULATE=emulate, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        scale if write_fp8 else dummy, scale_inv if write_fp8 else dummy,
+        amax_out if amax_out is not None else dummy, m, n,
+        ACT=act, WRITE_HP=return_hp, WRITE_FP8=write_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max,
+        IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(), BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N,
     )  # fmt: skip
-    return y, y8, y8_t, scale_inv
+    return y, y8, scale_inv
 
 
 def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
@@ -281,33 +252,33 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
     dx = torch.empty(x.shape, dtype=fp8_dtype if is_fp8 else dy.dtype, device=x.device)
     dx_t = torch.empty((nc, m), dtype=fp8_dtype, device=x.device) if is_fp8 else None
     scale_inv = new_scale_inv(x.device) if is_fp8 else None
-    grid_m = max(1, triton.cdiv(m, CT_BLOCK_M))
-    parts = torch.empty((grid_m, nc), dtype=torch.float32, device=x.device)  # dbias partials, one row per row tile
-    grid = (grid_m, max(1, triton.cdiv(n, CT_BLOCK_N)))
+    grid_m = max(1, triton.cdiv(m, BWD_BLOCK_M))
+    parts = torch.empty((grid_m, nc), dtype=torch.float32, device=x.device)
+    grid = (grid_m, max(1, triton.cdiv(n, BWD_BLOCK_N)))
     _act_bwd_kernel[grid](
         dy, x, dx.view(torch.uint8) if is_fp8 else dx, dx_t.view(torch.uint8) if is_fp8 else dx,
         scale if is_fp8 else parts, scale_inv if is_fp8 else parts, amax_out if amax_out is not None else parts,
         parts, m, n,
         ACT=act, IS_FP8=is_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
-        EMULATE=_tiled_emulate(as_2d(x), act), BLOCK_M=CT_BLOCK_M, BLOCK_N=CT_BLOCK_N, num_warps=CT_WARPS,
+        EMULATE=emulate_fp8_cvt(tiled_transpose=True), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
-    dbias = sum_partials(parts[: triton.cdiv(m, CT_BLOCK_M)], dy.dtype)
+    dbias = sum_partials(parts[: triton.cdiv(m, BWD_BLOCK_M)], dy.dtype)
     return dx, dx_t, scale_inv, dbias
 
 
-def gelu_fwd(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False, transpose=False):
+def gelu_fwd(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False):
     """GELU (tanh approximation). See the module docstring for arguments and returns."""
-    return _act_fwd(x, _GELU, scale, fp8_dtype, amax_out, return_hp, transpose, "gelu_fwd")
+    return _act_fwd(x, _GELU, scale, fp8_dtype, amax_out, return_hp, "gelu_fwd")
 
 
-def relu_fwd(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False, transpose=False):
+def relu_fwd(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False):
     """ReLU. See the module docstring for arguments and returns."""
-    return _act_fwd(x, _RELU, scale, fp8_dtype, amax_out, return_hp, transpose, "relu_fwd")
+    return _act_fwd(x, _RELU, scale, fp8_dtype, amax_out, return_hp, "relu_fwd")
 
 
-def swiglu_fwd(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False, transpose=False):
+def swiglu_fwd(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False):
     """SwiGLU on x [..., 2N] = [gate | up] -> [..., N]. See the module docstring."""
-    return _act_fwd(x, _SWIGLU, scale, fp8_dtype, amax_out, return_hp, transpose, "swiglu_fwd")
+    return _act_fwd(x, _SWIGLU, scale, fp8_dtype, amax_out, return_hp, "swiglu_fwd")
 
 
 def gelu_bwd_cast_transpose(dy, x, scale, fp8_dtype, amax_out=None):
@@ -351,18 +322,14 @@ def _act_bwd_math(dy, x, act):
     return torch.cat([dyf * u * sig * (1.0 + g * (1.0 - sig)), dyf * g * sig], dim=-1)
 
 
-def _act_fwd_reference(x, act, scale, fp8_dtype, amax_out, return_hp, transpose):
-    if transpose and scale is None:
-        raise ValueError("transpose=True transposes the FP8 output; pass scale and fp8_dtype")
+def _act_fwd_reference(x, act, scale, fp8_dtype, amax_out, return_hp):
     y = _act_fwd_math(x, act)
-    y8 = y8_t = scale_inv = None
+    y8 = scale_inv = None
     if scale is not None:
         y8 = quantize_reference(y, scale, fp8_dtype)
         scale_inv = scale_inv_reference(scale)
         atomic_max_reference(amax_out, amax_reference(y))
-        if transpose:
-            y8_t = as_2d(y8.view(torch.uint8)).t().contiguous().view(fp8_dtype)
-    return (y.to(x.dtype) if return_hp else None), y8, y8_t, scale_inv
+    return (y.to(x.dtype) if return_hp else None), y8, scale_inv
 
 
 def _act_bwd_reference(dy, x, act, scale, fp8_dtype, amax_out):
@@ -376,19 +343,19 @@ def _act_bwd_reference(dy, x, act, scale, fp8_dtype, amax_out):
     return dx8, dx8_t, scale_inv_reference(scale), dbias
 
 
-def gelu_fwd_reference(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False, transpose=False):
+def gelu_fwd_reference(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False):
     """Plain-PyTorch ``gelu_fwd``."""
-    return _act_fwd_reference(x, _GELU, scale, fp8_dtype, amax_out, return_hp, transpose)
+    return _act_fwd_reference(x, _GELU, scale, fp8_dtype, amax_out, return_hp)
 
 
-def relu_fwd_reference(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False, transpose=False):
+def relu_fwd_reference(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False):
     """Plain-PyTorch ``relu_fwd``."""
-    return _act_fwd_reference(x, _RELU, scale, fp8_dtype, amax_out, return_hp, transpose)
+    return _act_fwd_reference(x, _RELU, scale, fp8_dtype, amax_out, return_hp)
 
 
-def swiglu_fwd_reference(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False, transpose=False):
+def swiglu_fwd_reference(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False):
     """Plain-PyTorch ``swiglu_fwd``."""
-    return _act_fwd_reference(x, _SWIGLU, scale, fp8_dtype, amax_out, return_hp, transpose)
+    return _act_fwd_reference(x, _SWIGLU, scale, fp8_dtype, amax_out, return_hp)
 
 
 def gelu_bwd_cast_transpose_reference(dy, x, scale, fp8_dtype, amax_out=None):

@@ -105,10 +105,9 @@ def act_fwd_cast(h: torch.Tensor, kind: str, state: ScalingState, row: int, plan
     """``act(h)`` for ``h [M, D]`` written only in FP8 (``[M, D']``, ``state`` row ``row``, forward format), with
     its transposed copy when ``transpose``; the high-precision activation is not returned.
 
-    Kernels, delayed scaling: one activation pass writes FP8 directly (scale ``state.scale[row]``, amax into the
-    history), with the transposed FP8 copy in the same pass when ``transpose``. Current scaling needs the amax
-    first: the activation kernel writes high precision, then ``compute_amax`` + cast-transpose. Torch:
-    :func:`act_fwd` then :func:`cast_operand`.
+    Kernels, delayed scaling: the activation kernel writes FP8 directly (scale ``state.scale[row]``, amax into the
+    history); the transpose is then an FP8 byte copy. Current scaling needs the amax first: the activation kernel
+    writes high precision, then ``compute_amax`` + cast-transpose. Torch: :func:`act_fwd` then :func:`cast_operand`.
     """
     if not use_kernels(h):
         y = act_fwd(h, kind)
@@ -120,8 +119,11 @@ def act_fwd_cast(h: torch.Tensor, kind: str, state: ScalingState, row: int, plan
     if not plan.delayed:
         return cast_operand(fwd(h, return_hp=True)[0], state, row, plan, transpose=transpose)
     scale, amax_out = kernel_scale(h, state, row, plan, plan.fwd_dtype, grad=False)
-    _, y8, y8_t, scale_inv = fwd(h, scale=scale, fp8_dtype=plan.fwd_dtype, amax_out=amax_out, transpose=transpose)
-    return Float8Tensor(y8, scale_inv, h.dtype, y8_t)
+    _, y8, scale_inv = fwd(h, scale=scale, fp8_dtype=plan.fwd_dtype, amax_out=amax_out)
+    y_fp8 = Float8Tensor(y8, scale_inv, h.dtype)
+    if transpose:
+        y_fp8.transpose_2d()
+    return y_fp8
 
 
 def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, state: ScalingState, row: int, plan: FP8Plan, *,
