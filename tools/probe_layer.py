@@ -142,8 +142,16 @@ def layer_probe():
         host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
     host.sort()
+    idle_host = []
+    for _ in range(5):  # the same, right after a synchronisation (GPU idle), as time_fn runs a step
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        idle_host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    idle_host.sort()
     print(f"FP8 layer step: {gpu_ms:.3f} ms (CUDA events, median of {args.iters}); host issue time "
-          f"{host[len(host) // 2]:.3f} ms (median of 5, GPU kept busy)")
+          f"{host[len(host) // 2]:.3f} ms (median of 5, GPU kept busy), {idle_host[2]:.3f} ms after a sync")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
