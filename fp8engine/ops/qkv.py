@@ -27,9 +27,9 @@ __all__ = ["fp8_linear_qkv", "split_grouped_qkv"]
 
 
 def _views(y: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
+    """``y [s, b, C]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d])`` views."""
     grouped = y.view(*y.shape[:-1], groups, heads_per_group + 2, head_dim)
-    return grouped, (grouped[..., :heads_per_group, :], grouped[..., heads_per_group, :],
-                     grouped[..., heads_per_group + 1, :])
+    return grouped[..., :heads_per_group, :], grouped[..., heads_per_group, :], grouped[..., heads_per_group + 1, :]
 
 
 class _SplitGroupedQKV(torch.autograd.Function):
@@ -39,7 +39,7 @@ class _SplitGroupedQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int):
         ctx.hpg = heads_per_group
-        return _views(mixed, groups, heads_per_group, head_dim)[1]
+        return _views(mixed, groups, heads_per_group, head_dim)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -59,7 +59,7 @@ class _FP8LinearQKV(torch.autograd.Function):
                 plan: FP8Plan, fuse_wgrad: bool, grad_row: int, split: tuple):
         y = _FP8Linear.forward(ctx, x, weight, bias, x_fp8, w_fp8, state, plan, fuse_wgrad, grad_row)
         ctx.hpg = split[1]
-        return _views(y, *split)[1]
+        return _views(y, *split)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
