@@ -139,3 +139,26 @@ def test_activation_errors(device):
         act.gelu_bwd_cast_transpose(x.half(), x, None, None)
     with pytest.raises(ValueError, match="dy"):
         act.relu_bwd_cast_transpose(x[:, :5].contiguous(), x, None, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hardware FP8 conversion needs a GPU")
+@pytest.mark.parametrize("name", ACTS)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(512, 1024), (300, 200)])
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_hardware_conversion_matches_emulation_on_gpu(name, dtype, shape, fp8_dtype, monkeypatch):
+    """On a GPU the activation kernels use the hardware FP8 conversion; the same kernel with the exact emulation
+    (FP8ENGINE_EMULATE_FP8_CVT=1) computes the same fp32 values, so the FP8 bits must be identical. Full 64 x 128
+    tiles (512 x 1024) and ragged ones (300 x 200): the case where a tiled store once wrote wrong bytes."""
+    fwd, _, bwd, _ = _fns(name)
+    x, _ = _inputs(name, shape, dtype, "cuda")
+    dy = randn(shape, dtype, "cuda", seed=7)
+    scale = torch.tensor([FP8_MAX[fp8_dtype] / 8.0], device="cuda")
+    out = {}
+    for emulate in ("0", "1"):
+        monkeypatch.setenv("FP8ENGINE_EMULATE_FP8_CVT", emulate)
+        _, y8, _ = fwd(x, scale=scale, fp8_dtype=fp8_dtype)
+        dx, dx_t, _, _ = bwd(dy, x, scale, fp8_dtype)
+        out[emulate] = (y8, dx, dx_t)
+    for hw, emu in zip(out["0"], out["1"]):
+        assert_fp8_equal(hw, emu, fp8_dtype)

@@ -67,7 +67,7 @@ def _assert_same_outputs(out, ref, fp8_dtype, exact_dbias=True):
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("s,b", SEQ_BATCH)
-@pytest.mark.parametrize("d", [16, 32])
+@pytest.mark.parametrize("d", [16, 32, 128])  # 128: a 128-column tile lies in one head slot (one load per tile)
 @pytest.mark.parametrize("g,hpg", GROUPINGS)
 def test_matches_cast_transpose_dbias_on_assembled_buffer(device, layout, fp8_dtype, dtype, s, b, d, g, hpg):
     dq, dk, dv = _make_grads(layout, s, b, g, hpg, d, dtype, device, seed=s + 7 * d + g)
