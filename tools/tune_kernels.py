@@ -1,6 +1,6 @@
-"""Tile sweeps for the activation kernels, the QKV-gradient gather, and host cost per launch (CUDA only).
+"""Activation kernels, the QKV-gradient gather, and host cost per launch, at the layer's shapes (CUDA only).
 
-A measurement tool, not a benchmark of record: each configuration is first checked bit-exact against the same
+A measurement tool, not a benchmark of record: each kernel is first checked bit-exact against the same
 kernel with the exact FP8 emulation (FP8ENGINE_EMULATE_FP8_CVT=1), then timed with CUDA events (median of 20 after
 warm-up) at the layer's shapes (8192 x 16384 bf16 for the MLP activation, SDPA-layout dq/dk/dv for 32 heads of 128).
 
@@ -35,43 +35,28 @@ def _same_bits(run):
 
 
 def sweep_activation():
+    """The activation kernels as configured (tiles in fp8engine/kernels/activation.py), at the MLP's shape."""
     m, n = args.m, args.n
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x2, dy2 = torch.randn(m, n, device="cuda", dtype=torch.bfloat16), torch.randn(m, n // 2, device="cuda",
+                                                                                  dtype=torch.bfloat16)
     scale = torch.tensor([448.0 / 8], device="cuda")
     amax = torch.zeros(1, device="cuda")
-    gb = m * n / 1e9
     rows = []
-    for bm, bn, w in [(16, 256, 4), (32, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 4),
-                      (32, 128, 4), (16, 1024, 8)]:
-        act.FWD_BLOCK_M, act.FWD_BLOCK_N, act.FWD_WARPS = bm, bn, w
-        run = lambda: act.gelu_fwd(x, scale=scale, fp8_dtype=E4M3, amax_out=amax)[1:2]  # noqa: E731
+    cases = [
+        ("gelu_fwd (fp8 out)", lambda: act.gelu_fwd(x, scale=scale, fp8_dtype=E4M3, amax_out=amax)[1:2], 3),
+        ("gelu_fwd + transpose_fp8", lambda: (cast.transpose_fp8(act.gelu_fwd(x, scale=scale, fp8_dtype=E4M3)[1]),),
+         5),
+        ("gelu_bwd_cast_transpose (dbias)", lambda: act.gelu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2], 6),
+        ("relu_bwd_cast_transpose (dbias)", lambda: act.relu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2], 6),
+        ("swiglu_bwd_cast_transpose (dbias)", lambda: act.swiglu_bwd_cast_transpose(dy2, x2, scale, E5M2)[:2], 4),
+    ]
+    for name, run, bytes_per_elem in cases:
         ok = _same_bits(run)
         ms = time_fn(run, warmup=5, iters=20)
-        rows.append({"kernel": "gelu_fwd (fp8 out)", "tile": f"{bm}x{bn} w{w}", "bits ok": ok, "us": ms * 1e3,
-                     "TB/s": gb * 3 / ms / 1e3})
-    act.FWD_BLOCK_M, act.FWD_BLOCK_N, act.FWD_WARPS = 16, 256, 4
-    t_ms = time_fn(lambda: cast.transpose_fp8(act.gelu_fwd(x, scale=scale, fp8_dtype=E4M3)[1]), warmup=5, iters=20)
-    rows.append({"kernel": "gelu_fwd + transpose_fp8", "tile": "16x256 w4", "bits ok": "", "us": t_ms * 1e3,
-                 "TB/s": gb * 5 / t_ms / 1e3})
-    for bm, bn, w in [(64, 64, 4), (64, 128, 4), (32, 128, 4), (32, 256, 4), (16, 256, 4), (64, 256, 8),
-                      (128, 128, 8), (32, 256, 8)]:
-        act.BWD_BLOCK_M, act.BWD_BLOCK_N, act.BWD_WARPS = bm, bn, w
-        for name, fn, xx in [("gelu_bwd", act.gelu_bwd_cast_transpose, x)]:
-            run = lambda: fn(dy, xx, scale, E5M2, amax)[:2]  # noqa: E731
-            ok = _same_bits(run)
-            ms = time_fn(run, warmup=5, iters=20)
-            # minimum traffic: dy + x read (2 B each), dx + dx_t written (1 B each)
-            rows.append({"kernel": f"{name} (+transpose, dbias)", "tile": f"{bm}x{bn} w{w}", "bits ok": ok,
-                         "us": ms * 1e3, "TB/s": gb * 6 / ms / 1e3})
-    x2 = torch.randn(m, 2 * n // 2, device="cuda", dtype=torch.bfloat16)
-    dy2 = torch.randn(m, n // 2, device="cuda", dtype=torch.bfloat16)
-    act.BWD_BLOCK_M, act.BWD_BLOCK_N, act.BWD_WARPS = 64, 64, 4
-    for name, fn, xx, d in [("swiglu_bwd", act.swiglu_bwd_cast_transpose, x2, dy2),
-                            ("relu_bwd", act.relu_bwd_cast_transpose, x, dy)]:
-        run = lambda: fn(d, xx, scale, E5M2, amax)[:2]  # noqa: E731
-        rows.append({"kernel": name, "tile": "64x64 w4", "bits ok": _same_bits(run),
-                     "us": time_fn(run, warmup=5, iters=20) * 1e3, "TB/s": 0.0})
+        # minimum traffic per [m, n] element: bf16 reads 2 B each, FP8 writes 1 B each
+        rows.append({"kernel": name, "bits ok": ok, "us": ms * 1e3, "TB/s": m * n * bytes_per_elem / ms / 1e9})
     print_table(rows)
 
 
@@ -91,9 +76,9 @@ def sweep_qkv():
     ms_flat = time_fn(lambda: cast.cast_transpose_dbias(flat, scale, E5M2, amax), warmup=5, iters=20)
     print_table([
         {"kernel": "qkv gather cast-transpose-dbias (SDPA strides)", "bits ok": ok, "us": ms * 1e3,
-         "TB/s": gb * 4 / ms / 1e3},
+         "TB/s": gb * 4 / ms},
         {"kernel": "cast_transpose_dbias, contiguous [T, C]", "bits ok": "", "us": ms_flat * 1e3,
-         "TB/s": gb * 4 / ms_flat / 1e3},
+         "TB/s": gb * 4 / ms_flat},
     ])
 
 

@@ -51,7 +51,6 @@ from ._common import (
     tl,
     triton,
 )
-from .cast import transpose_fp8
 
 __all__ = [
     "gelu_fwd",
@@ -75,15 +74,9 @@ _C = 0.044715
 #: 512-byte bf16 row segments. Not tuned; the ANCHORS cast used 8192 elements per program.
 FWD_BLOCK_M = 16
 FWD_BLOCK_N = 256
-FWD_WARPS = 4
-#: Backward tile (rows x cols of dx; 4 warps). The kernel writes only the row-major FP8 dx, with the hardware FP8
-#: conversion on a GPU; the transposed copy is a separate byte transpose (``cast.transpose_fp8``). Writing the
-#: transpose from the same tile forced the exact emulation (wrong bytes with the hardware conversion there, see
-#: ``_common.emulate_fp8_cvt``): 8192 x 16384 bf16 GELU backward, H200: 364 us emulated 64 x 64 tiles with the
-#: transposed store (docs/benchmarks.md, run F).
+#: Backward tile: the cast-transpose tile of cast.py (64 x 64, 4 warps).
 BWD_BLOCK_M = 64
 BWD_BLOCK_N = 64
-BWD_WARPS = 4
 
 
 @triton.jit
@@ -143,6 +136,7 @@ def _act_bwd_kernel(
     dy_ptr,  # [M, N] gradient of the activation output, row-major
     x_ptr,  # [M, NC] forward input (pre-activation; [gate | up] for SwiGLU), NC = N or 2N
     dx_ptr,  # [M, NC] output: FP8 bits (uint8) if IS_FP8, else dy's dtype
+    dx_t_ptr,  # [NC, M] FP8 bits (uint8) of dx transposed; only if IS_FP8
     scale_ptr,  # [1] fp32 FP8 scale; only if IS_FP8
     scale_inv_ptr,  # [1] fp32, receives 1/scale; only if IS_FP8
     amax_ptr,  # [1] fp32, atomic max of |dx|; only if HAS_AMAX
@@ -175,10 +169,10 @@ def _act_bwd_kernel(
         sig = tl.sigmoid(g)
         dg = dy * u * sig * (1.0 + g * (1.0 - sig))
         du = dy * g * sig
-        _store_tile(dg, offs_m, offs_n, M, 2 * N, N, dx_ptr, dx_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
-                    IS_FP8, False)  # fmt: skip
-        _store_tile(du, offs_m, offs_n + N, M, 2 * N, 2 * N, dx_ptr, dx_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
-                    IS_FP8, False)  # fmt: skip
+        _store_tile(dg, offs_m, offs_n, M, 2 * N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
+                    IS_FP8, IS_FP8)  # fmt: skip
+        _store_tile(du, offs_m, offs_n + N, M, 2 * N, 2 * N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
+                    IS_FP8, IS_FP8)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dg, axis=0), mask=offs_n < N)
         tl.store(part + N + offs_n, tl.sum(du, axis=0), mask=offs_n < N)
         if HAS_AMAX:
@@ -191,8 +185,8 @@ def _act_bwd_kernel(
             dx = dy * (s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x))
         else:
             dx = tl.where(x > 0.0, dy, 0.0)
-        _store_tile(dx, offs_m, offs_n, M, N, N, dx_ptr, dx_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
-                    IS_FP8, False)  # fmt: skip
+        _store_tile(dx, offs_m, offs_n, M, N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
+                    IS_FP8, IS_FP8)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dx, axis=0), mask=offs_n < N)
         if HAS_AMAX:
             tl.atomic_max(amax_ptr, _abs_max(dx, mask))
@@ -234,7 +228,7 @@ def _act_fwd(x, act, scale, fp8_dtype, amax_out, return_hp, op):
         scale if write_fp8 else dummy, scale_inv if write_fp8 else dummy,
         amax_out if amax_out is not None else dummy, m, n,
         ACT=act, WRITE_HP=return_hp, WRITE_FP8=write_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max,
-        IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(), BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, num_warps=FWD_WARPS,
+        IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(), BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N,
     )  # fmt: skip
     return y, y8, scale_inv
 
@@ -256,17 +250,18 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
     is_fp8 = scale is not None
     m = as_2d(x).shape[0]
     dx = torch.empty(x.shape, dtype=fp8_dtype if is_fp8 else dy.dtype, device=x.device)
+    dx_t = torch.empty((nc, m), dtype=fp8_dtype, device=x.device) if is_fp8 else None
     scale_inv = new_scale_inv(x.device) if is_fp8 else None
     grid_m = max(1, triton.cdiv(m, BWD_BLOCK_M))
     parts = torch.empty((grid_m, nc), dtype=torch.float32, device=x.device)
     grid = (grid_m, max(1, triton.cdiv(n, BWD_BLOCK_N)))
     _act_bwd_kernel[grid](
-        dy, x, dx.view(torch.uint8) if is_fp8 else dx, scale if is_fp8 else parts, scale_inv if is_fp8 else parts, amax_out if amax_out is not None else parts,
+        dy, x, dx.view(torch.uint8) if is_fp8 else dx, dx_t.view(torch.uint8) if is_fp8 else dx,
+        scale if is_fp8 else parts, scale_inv if is_fp8 else parts, amax_out if amax_out is not None else parts,
         parts, m, n,
         ACT=act, IS_FP8=is_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
-        EMULATE=emulate_fp8_cvt(), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=BWD_WARPS,
+        EMULATE=emulate_fp8_cvt(tiled_transpose=True), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
-    dx_t = transpose_fp8(dx) if is_fp8 else None
     dbias = sum_partials(parts[: triton.cdiv(m, BWD_BLOCK_M)], dy.dtype)
     return dx, dx_t, scale_inv, dbias
 

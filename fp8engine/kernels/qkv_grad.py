@@ -99,36 +99,20 @@ def _qkv_grad_cast_transpose_kernel(
     # row -> (s_idx, b_idx); column -> (gi, slot, dd) of [g, HPG + 2, HEAD_DIM]; offsets in int64
     s_idx = (offs_m // B).to(tl.int64)
     b_idx = (offs_m % B).to(tl.int64)
-    if HEAD_DIM % BLOCK_N == 0:
-        # the tile's columns lie in one head slot: pick its source once per program (one load, scalar offsets)
-        col0 = pid_n * BLOCK_N
-        gi0 = (col0 // ((HPG + 2) * HEAD_DIM)).to(tl.int64)
-        slot0 = (col0 // HEAD_DIM) % (HPG + 2)
-        dd = (col0 % HEAD_DIM + tl.arange(0, BLOCK_N)).to(tl.int64)
-        if slot0 < HPG:
-            off = (s_idx * sq_s + b_idx * sq_b)[:, None] + (gi0 * sq_g + slot0.to(tl.int64) * sq_h + dd * sq_d)[None, :]
-            x = tl.load(dq_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        elif slot0 == HPG:
-            off = (s_idx * sk_s + b_idx * sk_b)[:, None] + (gi0 * sk_g + dd * sk_d)[None, :]
-            x = tl.load(dk_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        else:
-            off = (s_idx * sv_s + b_idx * sv_b)[:, None] + (gi0 * sv_g + dd * sv_d)[None, :]
-            x = tl.load(dv_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    else:
-        gi = (offs_n // ((HPG + 2) * HEAD_DIM)).to(tl.int64)
-        slot = (offs_n // HEAD_DIM) % (HPG + 2)
-        dd = (offs_n % HEAD_DIM).to(tl.int64)
-        is_q = (slot < HPG)[None, :]
-        is_k = (slot == HPG)[None, :]
-        is_v = (slot == HPG + 1)[None, :]
-        q_off = (s_idx * sq_s + b_idx * sq_b)[:, None] + (gi * sq_g + slot.to(tl.int64) * sq_h + dd * sq_d)[None, :]
-        k_off = (s_idx * sk_s + b_idx * sk_b)[:, None] + (gi * sk_g + dd * sk_d)[None, :]
-        v_off = (s_idx * sv_s + b_idx * sv_b)[:, None] + (gi * sv_g + dd * sv_d)[None, :]
-        xq = tl.load(dq_ptr + q_off, mask=mask & is_q, other=0.0)
-        xk = tl.load(dk_ptr + k_off, mask=mask & is_k, other=0.0)
-        xv = tl.load(dv_ptr + v_off, mask=mask & is_v, other=0.0)
-        # select, not add: xq + xk + xv would turn a -0.0 into +0.0 (a different FP8 code)
-        x = tl.where(is_q, xq, tl.where(is_k, xk, xv)).to(tl.float32)
+    gi = (offs_n // ((HPG + 2) * HEAD_DIM)).to(tl.int64)
+    slot = (offs_n // HEAD_DIM) % (HPG + 2)
+    dd = (offs_n % HEAD_DIM).to(tl.int64)
+    is_q = (slot < HPG)[None, :]
+    is_k = (slot == HPG)[None, :]
+    is_v = (slot == HPG + 1)[None, :]
+    q_off = (s_idx * sq_s + b_idx * sq_b)[:, None] + (gi * sq_g + slot.to(tl.int64) * sq_h + dd * sq_d)[None, :]
+    k_off = (s_idx * sk_s + b_idx * sk_b)[:, None] + (gi * sk_g + dd * sk_d)[None, :]
+    v_off = (s_idx * sv_s + b_idx * sv_b)[:, None] + (gi * sv_g + dd * sv_d)[None, :]
+    xq = tl.load(dq_ptr + q_off, mask=mask & is_q, other=0.0)
+    xk = tl.load(dk_ptr + k_off, mask=mask & is_k, other=0.0)
+    xv = tl.load(dv_ptr + v_off, mask=mask & is_v, other=0.0)
+    # select, not add: xq + xk + xv would turn a -0.0 into +0.0 (a different FP8 code)
+    x = tl.where(is_q, xq, tl.where(is_k, xk, xv)).to(tl.float32)
     scale = tl.load(scale_ptr)
     _store_tile(x, offs_m, offs_n, T, C, C, out_ptr, out_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE, True, True)
     if HAS_AMAX:

@@ -106,7 +106,7 @@ def act_fwd_cast(h: torch.Tensor, kind: str, state: ScalingState, row: int, plan
     its transposed copy when ``transpose``; the high-precision activation is not returned.
 
     Kernels, delayed scaling: the activation kernel writes FP8 directly (scale ``state.scale[row]``, amax into the
-    history); the transpose is then an FP8 byte copy. Current scaling needs the amax first: the activation kernel
+    history); the transpose is then an FP8 byte copy, made by the first ``transpose_2d()`` call. Current scaling needs the amax first: the activation kernel
     writes high precision, then ``compute_amax`` + cast-transpose. Torch: :func:`act_fwd` then :func:`cast_operand`.
     """
     if not use_kernels(h):
@@ -120,10 +120,9 @@ def act_fwd_cast(h: torch.Tensor, kind: str, state: ScalingState, row: int, plan
         return cast_operand(fwd(h, return_hp=True)[0], state, row, plan, transpose=transpose)
     scale, amax_out = kernel_scale(h, state, row, plan, plan.fwd_dtype, grad=False)
     _, y8, scale_inv = fwd(h, scale=scale, fp8_dtype=plan.fwd_dtype, amax_out=amax_out)
-    y_fp8 = Float8Tensor(y8, scale_inv, h.dtype)
-    if transpose:
-        y_fp8.transpose_2d()
-    return y_fp8
+    # the byte transpose (when ``transpose``) is left to the consumer's first ``transpose_2d()`` call, which comes
+    # after its fprop GEMM was issued: the GEMM does not wait behind the transpose's launch on the host
+    return Float8Tensor(y8, scale_inv, h.dtype)
 
 
 def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, state: ScalingState, row: int, plan: FP8Plan, *,

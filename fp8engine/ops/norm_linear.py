@@ -39,7 +39,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     Args:
         x: ``[..., N]`` float32/bfloat16/float16. weight, bias: ``[N]`` (bias None for RMSNorm).
         fp8: where the FP8 output's scale/amax live (``state`` row ``row``, see :func:`cast_operand`) and whether
-            to also make its transpose (for wgrad).
+            to also make its transpose (for wgrad; with the fused kernel the byte transpose is deferred to the
+            first ``y_fp8.transpose_2d()`` call).
         return_hp: False when only the FP8 copy is consumed: the fused kernel (delayed scaling) then skips writing
             the high-precision output and ``y`` is a placeholder of the right shape and dtype whose values must
             not be read (it only carries the gradient back to this op, see :class:`_NormCast`).
@@ -72,9 +73,9 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             y = x.new_empty(()).expand(x.shape)
         y_fp8 = None
         if delayed:
+            # its transpose (fp8[3]) is made by the consumer's first transpose_2d() call, after the consumer's
+            # fprop GEMM was issued (at the start of a step the host launches the GEMM one launch earlier)
             y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype)
-            if fp8[3]:
-                y_fp8.transpose_2d()
         elif fp8 is not None:
             y_fp8 = cast_operand(y.reshape(-1, y.shape[-1]), fp8[0], fp8[1], fp8[2], transpose=fp8[3])
         return y, y_fp8, mean, rstd
