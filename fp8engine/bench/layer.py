@@ -86,12 +86,17 @@ def _step(model, x, dy, recipe, amax_group=None):
     return run
 
 
-def _ours(h, f, heads, device, tp_group=None):
+def _ours(h, f, heads, device, tp_group=None, fuse_wgrad=False):
     from fp8engine.modules.transformer import TransformerLayer
 
     kw = dict(set_parallel_mode=True, tp_group=tp_group, sequence_parallel=True) if tp_group is not None else {}
-    return TransformerLayer(h, f, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16,
-                            device=device, **kw)
+    layer = TransformerLayer(h, f, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16,
+                             device=device, fuse_wgrad_accumulation=fuse_wgrad, **kw)
+    if fuse_wgrad:  # the fp32 gradient-accumulation buffers of the GEMM weights (Megatron's main_grad)
+        for p in layer.parameters():
+            if p.dim() == 2:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    return layer
 
 
 def run_single(args) -> list[dict]:
@@ -103,7 +108,9 @@ def run_single(args) -> list[dict]:
     ours = _ours(h, f, heads, dev)
     cases = [("plain PyTorch block bf16 eager", plain, None), ("fp8engine TransformerLayer bf16", ours, None),
              ("fp8engine TransformerLayer fp8 delayed", ours, fe.DelayedScaling()),
-             ("fp8engine TransformerLayer fp8 current", ours, fe.CurrentScaling())]
+             ("fp8engine TransformerLayer fp8 current", ours, fe.CurrentScaling()),
+             ("fp8engine TransformerLayer fp8 delayed, fuse_wgrad_accumulation (fp32 main_grad)",
+              _ours(h, f, heads, dev, fuse_wgrad=True), fe.DelayedScaling())]
     if not args.no_torchao and dev == "cuda" and torchao_available():
         cases += [("torchao.float8 tensorwise eager", torchao_float8(plain), None),
                   ("torchao.float8 tensorwise compile", torchao_float8(plain, compile=True), None)]

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand
 from fp8engine.ops.gemm import fp8_gemm, fp8_mm
@@ -27,13 +27,21 @@ LINEAR_ROLES = ("input", "weight", "grad_output")
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
 
 
-def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
-    """Add ``dw`` into the fp32 ``weight.main_grad`` the user allocated (``fuse_wgrad_accumulation``)."""
+def _main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """``weight.main_grad``, checked: fp32, the weight's shape (``fuse_wgrad_accumulation``)."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         raise ValueError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 tensor shaped like the "
                          "weight) to be allocated before backward")
-    main_grad.add_(dw)
+    if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape:
+        raise ValueError(f"weight.main_grad must be float32 with the weight's shape {tuple(weight.shape)}, got "
+                         f"{main_grad.dtype} {tuple(main_grad.shape)}")
+    return main_grad
+
+
+def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
+    """Add ``dw`` into the fp32 ``weight.main_grad`` the user allocated (``fuse_wgrad_accumulation``)."""
+    _main_grad(weight).add_(dw)
 
 
 class _HighPrecisionMainGrad(torch.autograd.Function):
@@ -104,14 +112,21 @@ def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple]
 
     - dgrad ``dx = dy @ w`` ``[M, K]`` in ``dy_fp8.dtype``, when ``w_t = (W^T data [K, N], scale_inv)`` is given;
     - wgrad ``dw = dy.T @ x`` ``[N, K]`` (token dim zero-padded to a multiple of 16), when
-      ``x_t = (X^T data [K, M], scale_inv)`` is given: in ``weight.dtype``, or with ``fuse_wgrad`` in fp32 added
-      into ``weight.main_grad`` (then returned as None).
+      ``x_t = (X^T data [K, M], scale_inv)`` is given: in ``weight.dtype``, or with ``fuse_wgrad`` accumulated
+      into the fp32 ``weight.main_grad`` (then returned as None): on CUDA by the GEMM itself
+      (``kernels.gemm.fp8_gemm_accumulate``), elsewhere a ``torch._scaled_mm`` into fp32 plus ``main_grad.add_``.
     Returns ``(dx or None, dw or None)``.
     """
     dx = dw = None
     if w_t is not None:
         dx = fp8_mm(dy_fp8.data, dy_fp8.scale_inv, w_t[0], w_t[1], dy_fp8.dtype)
     if x_t is not None:
+        if fuse_wgrad and use_kernels(dy_fp8.data) and _main_grad(weight).is_contiguous():
+            # the GEMM accumulates into main_grad in its epilogue (no fp32 dW buffer, no separate add)
+            from fp8engine.kernels.gemm import fp8_gemm_accumulate
+
+            fp8_gemm_accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], weight.main_grad)
+            return dx, None
         out_dtype = torch.float32 if fuse_wgrad else weight.dtype
         dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], out_dtype, pad_inner=True)
         if fuse_wgrad:
