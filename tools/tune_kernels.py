@@ -1,10 +1,10 @@
-"""Activation kernels, the QKV-gradient gather, the accumulating wgrad GEMM, host cost per launch (CUDA only).
+"""Activation kernels, the QKV-gradient gather, host cost per launch (CUDA only).
 
 A measurement tool, not a benchmark of record: each kernel is first checked bit-exact against the same
 kernel with the exact FP8 emulation (FP8ENGINE_EMULATE_FP8_CVT=1), then timed with CUDA events (median of 20 after
 warm-up) at the layer's shapes (8192 x 16384 bf16 for the MLP activation, SDPA-layout dq/dk/dv for 32 heads of 128).
 
-Usage: python tools/tune_kernels.py [--only act|qkv|gemm|host]
+Usage: python tools/tune_kernels.py [--only act|qkv|host]
 """
 import argparse
 import os
@@ -18,7 +18,7 @@ from fp8engine.kernels import cast
 from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
 
 p = argparse.ArgumentParser()
-p.add_argument("--only", default=None, choices=["act", "qkv", "gemm", "host"])
+p.add_argument("--only", default=None, choices=["act", "qkv", "host"])
 p.add_argument("--m", type=int, default=8192)
 p.add_argument("--n", type=int, default=16384)
 args = p.parse_args()
@@ -82,45 +82,6 @@ def sweep_qkv():
     ])
 
 
-def sweep_gemm():
-    """wgrad into fp32 main_grad at the layer's four weight shapes: cuBLAS (_scaled_mm to fp32) + main_grad.add_
-    vs kernels.gemm.fp8_gemm_accumulate at a few tile configurations (max |difference| relative to max |dW|)."""
-    from fp8engine.kernels import gemm
-    from fp8engine.ops.gemm import fp8_mm
-
-    t = 8192
-    one = torch.ones(1, device="cuda")
-    configs = [(128, 128, 128, 8, 4), (128, 128, 128, 4, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
-               (128, 128, 64, 4, 5)]
-    rows = []
-    for name, (n, k) in {"qkv": (12288, 4096), "proj": (4096, 4096), "fc1": (16384, 4096),
-                         "fc2": (4096, 16384)}.items():
-        dy_t = torch.randn(n, t, device="cuda").to(E5M2)
-        x_t = torch.randn(k, t, device="cuda").to(E4M3)
-        main_grad = torch.zeros(n, k, device="cuda")
-        flops = 2.0 * t * n * k
-
-        def cublas_add():
-            main_grad.add_(fp8_mm(dy_t, one, x_t, one, torch.float32))
-
-        ms = time_fn(cublas_add, warmup=3, iters=20)
-        rows.append({"wgrad": name, "impl": "cuBLAS fp32 + add_", "ms": ms, "TFLOP/s": flops / ms / 1e9})
-        ref = fp8_mm(dy_t, one, x_t, one, torch.float32)
-        for bm, bn, bk, w, st in configs:
-            gemm.BLOCK_M, gemm.BLOCK_N, gemm.BLOCK_K, gemm.NUM_WARPS, gemm.NUM_STAGES = bm, bn, bk, w, st
-            try:
-                got = gemm.fp8_gemm_accumulate(dy_t, one, x_t, one, torch.zeros(n, k, device="cuda"))
-                err = ((got - ref).abs().max() / ref.abs().max()).item()
-                ms = time_fn(lambda: gemm.fp8_gemm_accumulate(dy_t, one, x_t, one, main_grad), warmup=3, iters=20)
-                rows.append({"wgrad": name, "impl": f"triton acc {bm}x{bn}x{bk} w{w} s{st}", "ms": ms,
-                             "TFLOP/s": flops / ms / 1e9, "rel err": err})
-            except Exception as e:  # a configuration that does not compile (shared memory) is reported, not fatal
-                rows.append({"wgrad": name, "impl": f"triton acc {bm}x{bn}x{bk} w{w} s{st}", "ms": 0.0,
-                             "TFLOP/s": 0.0, "rel err": str(e).splitlines()[0][:40]})
-    gemm.BLOCK_M, gemm.BLOCK_N, gemm.BLOCK_K, gemm.NUM_WARPS, gemm.NUM_STAGES = configs[0]
-    print_table(rows, ["wgrad", "impl", "ms", "TFLOP/s", "rel err"])
-
-
 def host_cost():
     """Host microseconds per call (GPU kept busy by a sleep kernel so the host never waits)."""
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
@@ -156,7 +117,5 @@ if args.only in (None, "act"):
     sweep_activation()
 if args.only in (None, "qkv"):
     sweep_qkv()
-if args.only in (None, "gemm"):
-    sweep_gemm()
 if args.only in (None, "host"):
     host_cost()

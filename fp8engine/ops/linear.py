@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand
 from fp8engine.ops.gemm import fp8_gemm, fp8_mm
@@ -112,21 +112,17 @@ def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple]
 
     - dgrad ``dx = dy @ w`` ``[M, K]`` in ``dy_fp8.dtype``, when ``w_t = (W^T data [K, N], scale_inv)`` is given;
     - wgrad ``dw = dy.T @ x`` ``[N, K]`` (token dim zero-padded to a multiple of 16), when
-      ``x_t = (X^T data [K, M], scale_inv)`` is given: in ``weight.dtype``, or with ``fuse_wgrad`` accumulated
-      into the fp32 ``weight.main_grad`` (then returned as None): on CUDA by the GEMM itself
-      (``kernels.gemm.fp8_gemm_accumulate``), elsewhere a ``torch._scaled_mm`` into fp32 plus ``main_grad.add_``.
+      ``x_t = (X^T data [K, M], scale_inv)`` is given: in ``weight.dtype``, or with ``fuse_wgrad`` in fp32 added
+      into ``weight.main_grad`` (then returned as None). ``torch._scaled_mm`` has no accumulate (beta) input, so
+      this is a GEMM into fp32 plus ``main_grad.add_``; a Triton FP8 GEMM accumulating in its epilogue (commit
+      e83dd18, ``kernels/gemm.py``) reached 850-920 TFLOP/s against 1080-1120 for cuBLAS + add at the layer's
+      wgrad shapes on H200 (docs/benchmarks.md) and was removed.
     Returns ``(dx or None, dw or None)``.
     """
     dx = dw = None
     if w_t is not None:
         dx = fp8_mm(dy_fp8.data, dy_fp8.scale_inv, w_t[0], w_t[1], dy_fp8.dtype)
     if x_t is not None:
-        if fuse_wgrad and use_kernels(dy_fp8.data) and _main_grad(weight).is_contiguous():
-            # the GEMM accumulates into main_grad in its epilogue (no fp32 dW buffer, no separate add)
-            from fp8engine.kernels.gemm import fp8_gemm_accumulate
-
-            fp8_gemm_accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], weight.main_grad)
-            return dx, None
         out_dtype = torch.float32 if fuse_wgrad else weight.dtype
         dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], out_dtype, pad_inner=True)
         if fuse_wgrad:

@@ -21,14 +21,13 @@ def force_kernels(monkeypatch):
     if not (os.environ.get("TRITON_INTERPRET") == "1" and kernels_available("cpu")):
         pytest.skip("needs Triton with TRITON_INTERPRET=1 (set by tests/conftest.py when there is no GPU)")
     import fp8engine.ops.cast as ops_cast
-    import fp8engine.ops.linear as ops_linear
     import fp8engine.ops.mlp as ops_mlp
 
     default = ops_cast.use_kernels
 
     def switch(on: bool):
         pred = (lambda t: True) if on else default
-        for mod in (ops_cast, ops_linear, ops_mlp):
+        for mod in (ops_cast, ops_mlp):
             monkeypatch.setattr(mod, "use_kernels", pred)
 
     return switch

@@ -43,7 +43,4 @@ def test_kernel_path_fused_wgrad(force_kernels):
     torch_path = _run(True, torch.float32, True, fuse_wgrad=True)
     force_kernels(True)
     kernel_path = _run(True, torch.float32, True, fuse_wgrad=True)
-    # same FP8 operands; the kernel path's GEMM accumulates into main_grad itself (kernels.gemm), the torch path
-    # is _scaled_mm into fp32 + add: the same products summed in another fp32 order (185 tokens: a few ulps)
-    torch.testing.assert_close(kernel_path[2], torch_path[2], rtol=1e-5, atol=1e-5)
-    assert not torch.equal(kernel_path[2], torch.zeros_like(kernel_path[2]))
+    torch.testing.assert_close(kernel_path[2], torch_path[2], rtol=0, atol=0)
