@@ -189,6 +189,18 @@ def _fp32_to_fp8_bits(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _round_to(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 ``v`` -> ``dtype`` rounded to nearest even, as torch. Under the interpreter (``EMULATE``) the
+    fp32 -> bf16 conversion truncates, so bf16 is rounded here with the integer RNE on the fp32 bits (NaN kept)."""
+    if EMULATE and dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, (bits >> 16) | 0x40, rounded)
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
 def _quantize(y, scale, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, EMULATE: tl.constexpr):
     """saturate(y * scale) -> FP8 bits as uint8. ``y`` fp32 block, ``scale`` fp32 scalar. NaN passes the clamp."""
     v = y * scale

@@ -27,6 +27,7 @@ import torch
 from ._common import (
     _abs_max,
     _quantize,
+    _round_to,
     _write_scale_inv,
     amax_reference,
     as_2d,
@@ -80,6 +81,8 @@ def _tile(n: int) -> tuple[int, int, int]:
 @triton.jit
 def _norm_fwd_kernel(
     x_ptr,  # [M, N] input, row-major, high precision
+    r_ptr,  # [M, N] residual in x's dtype; only if HAS_RESIDUAL
+    s_ptr,  # [M, N] output x + residual in x's dtype (the normalised tensor); only if HAS_RESIDUAL
     w_ptr,  # [N] weight (gamma, or gamma - 1 if ZERO_CENTERED)
     b_ptr,  # [N] bias (beta); only if HAS_BIAS
     y_ptr,  # [M, N] high-precision output in x's dtype; only if WRITE_HP
@@ -94,6 +97,7 @@ def _norm_fwd_kernel(
     eps,
     IS_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     WRITE_HP: tl.constexpr,
     WRITE_FP8: tl.constexpr,
@@ -111,7 +115,12 @@ def _norm_fwd_kernel(
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # the residual connection: x + residual rounded to x's dtype (torch's add), then normalised
+        x = _round_to(x.to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), x.dtype,
+                      EMULATE)
+        tl.store(s_ptr + offs, x, mask=mask)
+    x = x.to(tl.float32)
     if IS_RMS:
         xc = x
     else:
@@ -145,6 +154,7 @@ def _norm_bwd_kernel(
     w_ptr,  # [N] weight (gamma, or gamma - 1 if ZERO_CENTERED)
     mean_ptr,  # [M] fp32 row means from forward (LayerNorm only)
     rstd_ptr,  # [M] fp32 row rstd from forward
+    dres_ptr,  # [M, N] gradient arriving at x from elsewhere (the residual branch), added to dx; only if HAS_DRES
     dx_ptr,  # [M, N] output gradient in x's dtype
     part_ptr,  # [num_programs, PART_N] fp32 partial sums, one row per program: dgamma in columns [0, N), dbeta in
     # [N, 2N) (LayerNorm only; PART_N = 2N, else N), so one reduction launch covers both
@@ -153,6 +163,7 @@ def _norm_bwd_kernel(
     PART_N,
     IS_RMS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    HAS_DRES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -185,6 +196,8 @@ def _norm_bwd_kernel(
         else:
             c2 = tl.sum(wdy, axis=1) / N
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_acc += dy * xhat
         if not IS_RMS:
@@ -204,9 +217,22 @@ def _check_vec(v, name, n, x, op):
         raise ValueError(f"{op}: {name} is on {v.device} but x is on {x.device}")
 
 
-def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, return_hp, is_rms, op):
+def _check_like_x(t, name, x, op):
+    check_hp(t, name, op)
+    if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+        raise ValueError(f"{op}: {name} must match x (shape {tuple(x.shape)}, {x.dtype}, {x.device}); got "
+                         f"{tuple(t.shape)}, {t.dtype}, {t.device}")
+
+
+def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, return_hp, is_rms, op,
+              residual=None, residual_out=None):  # fmt: skip
     check_launchable(x, op)
     check_hp(x, "x", op)
+    if (residual is None) != (residual_out is None):
+        raise ValueError(f"{op}: give both residual and residual_out (receives x + residual), or neither")
+    if residual is not None:
+        _check_like_x(residual, "residual", x, op)
+        _check_like_x(residual_out, "residual_out", x, op)
     n = x.shape[-1]
     if n > MAX_N:
         raise ValueError(f"{op}: last dim {n} > {MAX_N} is not supported by the fused kernel; use {op}_reference")
@@ -233,21 +259,25 @@ def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_
     block_m, block_n, num_warps = _tile(n)
     dummy = rstd
     _norm_fwd_kernel[(max(1, triton.cdiv(m, block_m)),)](
-        x2, weight, bias if bias is not None else dummy, y if y is not None else dummy,
+        x2, residual if residual is not None else dummy, residual_out if residual_out is not None else dummy,
+        weight, bias if bias is not None else dummy, y if y is not None else dummy,
         y8.view(torch.uint8) if y8 is not None else dummy, scale if write_fp8 else dummy,
         scale_inv if write_fp8 else dummy, amax_out if amax_out is not None else dummy,
         mean if mean is not None else dummy, rstd, m, n, eps,
-        IS_RMS=is_rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered_gamma, WRITE_HP=return_hp,
+        IS_RMS=is_rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        ZERO_CENTERED=zero_centered_gamma, WRITE_HP=return_hp,
         WRITE_FP8=write_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
         EMULATE=emulate_fp8_cvt(), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
     return y, y8, scale_inv, mean, rstd
 
 
-def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op):
+def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op, dresidual=None):
     check_launchable(x, op)
     check_hp(x, "x", op)
     check_hp(dy, "dy", op)
+    if dresidual is not None:
+        _check_like_x(dresidual, "dresidual", x, op)
     if dy.shape != x.shape:
         raise ValueError(f"{op}: dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}")
     n = x.shape[-1]
@@ -272,8 +302,9 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op):
     part_n = n if is_rms else 2 * n
     part = torch.empty((programs, part_n), dtype=torch.float32, device=x.device)
     _norm_bwd_kernel[(programs,)](
-        dy, x2, weight, mean if mean is not None else rstd, rstd, dx, part, m, n, part_n,
-        IS_RMS=is_rms, ZERO_CENTERED=zero_centered_gamma, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        dy, x2, weight, mean if mean is not None else rstd, rstd, dresidual if dresidual is not None else dx, dx,
+        part, m, n, part_n, IS_RMS=is_rms, ZERO_CENTERED=zero_centered_gamma, HAS_DRES=dresidual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
     if m == 0:
         part.zero_()
@@ -282,7 +313,7 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op):
 
 
 def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, scale=None, fp8_dtype=None, amax_out=None,
-                  return_hp=True):  # fmt: skip
+                  return_hp=True, residual=None, residual_out=None):  # fmt: skip
     """LayerNorm forward over the last dim.
 
     Args:
@@ -291,43 +322,53 @@ def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, scale=None
         scale, fp8_dtype: both or neither; with them also write the FP8 output (multiply by scale to enter FP8).
         amax_out: optional [1] fp32, receives atomic max of |y| (fp32 y); needs scale/fp8_dtype.
         return_hp: also return y in x.dtype.
+        residual, residual_out: both or neither, like x (shape, dtype, contiguous): the residual connection fused
+            in front of the norm. ``residual_out`` receives ``x + residual`` rounded to x.dtype (as torch's add)
+            and the norm (mean, rstd, y) is of that sum; it is the ``x`` to pass to the backward.
     Returns:
         ``(y_hp or None, y_fp8 or None, scale_inv or None, mean [M] fp32, rstd [M] fp32)``; y_* have x's shape.
     """
     return _norm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, return_hp, False,
-                     "layernorm_fwd")  # fmt: skip
+                     "layernorm_fwd", residual, residual_out)  # fmt: skip
 
 
 def rmsnorm_fwd(x, weight, eps, *, zero_centered_gamma=False, scale=None, fp8_dtype=None, amax_out=None,
-                return_hp=True):  # fmt: skip
+                return_hp=True, residual=None, residual_out=None):  # fmt: skip
     """RMSNorm forward over the last dim; as ``layernorm_fwd`` without bias and mean.
 
     Returns ``(y_hp or None, y_fp8 or None, scale_inv or None, rstd [M] fp32)``.
     """
     y, y8, si, _, rstd = _norm_fwd(x, weight, None, eps, zero_centered_gamma, scale, fp8_dtype, amax_out,
-                                   return_hp, True, "rmsnorm_fwd")  # fmt: skip
+                                   return_hp, True, "rmsnorm_fwd", residual, residual_out)  # fmt: skip
     return y, y8, si, rstd
 
 
-def layernorm_bwd(dy, x, mean, rstd, weight, *, zero_centered_gamma=False):
+def layernorm_bwd(dy, x, mean, rstd, weight, *, zero_centered_gamma=False, dresidual=None):
     """LayerNorm backward. dy, x: [..., N]; mean, rstd: [M] fp32 from forward; weight [N].
+
+    ``dresidual`` (optional, like x): a gradient reaching the norm's input ``x`` by another path (the residual
+    connection), added to dx in fp32 before the one rounding to x.dtype.
 
     Returns ``(dx in x.dtype with x's shape, dgamma [N] in weight.dtype, dbeta [N] in weight.dtype)``; dgamma and
     dbeta are accumulated in fp32 and reduced deterministically.
     """
-    return _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, False, "layernorm_bwd")
+    return _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, False, "layernorm_bwd", dresidual)
 
 
-def rmsnorm_bwd(dy, x, rstd, weight, *, zero_centered_gamma=False):
-    """RMSNorm backward. Returns ``(dx in x.dtype, dgamma [N] in weight.dtype)``."""
-    dx, dgamma, _ = _norm_bwd(dy, x, None, rstd, weight, zero_centered_gamma, True, "rmsnorm_bwd")
+def rmsnorm_bwd(dy, x, rstd, weight, *, zero_centered_gamma=False, dresidual=None):
+    """RMSNorm backward (``dresidual`` as in ``layernorm_bwd``). Returns ``(dx in x.dtype, dgamma [N] in
+    weight.dtype)``."""
+    dx, dgamma, _ = _norm_bwd(dy, x, None, rstd, weight, zero_centered_gamma, True, "rmsnorm_bwd", dresidual)
     return dx, dgamma
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # References (plain PyTorch, fp32 math, no Triton)
 # ----------------------------------------------------------------------------------------------------------------
-def _norm_fwd_reference(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, return_hp, is_rms):
+def _norm_fwd_reference(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, return_hp, is_rms,
+                        residual=None, residual_out=None):  # fmt: skip
+    if residual is not None:
+        x = torch.add(x, residual, out=residual_out)
     x2 = as_2d(x).float()
     gamma = weight.float() + 1.0 if zero_centered_gamma else weight.float()
     if is_rms:
@@ -350,21 +391,21 @@ def _norm_fwd_reference(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dt
 
 
 def layernorm_fwd_reference(x, weight, bias, eps, *, zero_centered_gamma=False, scale=None, fp8_dtype=None,
-                            amax_out=None, return_hp=True):  # fmt: skip
+                            amax_out=None, return_hp=True, residual=None, residual_out=None):  # fmt: skip
     """Plain-PyTorch ``layernorm_fwd``."""
     return _norm_fwd_reference(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_out, return_hp,
-                               False)  # fmt: skip
+                               False, residual, residual_out)  # fmt: skip
 
 
 def rmsnorm_fwd_reference(x, weight, eps, *, zero_centered_gamma=False, scale=None, fp8_dtype=None, amax_out=None,
-                          return_hp=True):  # fmt: skip
+                          return_hp=True, residual=None, residual_out=None):  # fmt: skip
     """Plain-PyTorch ``rmsnorm_fwd``."""
     y, y8, si, _, rstd = _norm_fwd_reference(x, weight, None, eps, zero_centered_gamma, scale, fp8_dtype, amax_out,
-                                             return_hp, True)  # fmt: skip
+                                             return_hp, True, residual, residual_out)  # fmt: skip
     return y, y8, si, rstd
 
 
-def _norm_bwd_reference(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms):
+def _norm_bwd_reference(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, dresidual=None):
     x2, dy2 = as_2d(x).float(), as_2d(dy).float()
     gamma = weight.float() + 1.0 if zero_centered_gamma else weight.float()
     xhat = (x2 if is_rms else x2 - mean[:, None]) * rstd[:, None]
@@ -374,17 +415,19 @@ def _norm_bwd_reference(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms):
         dx = (wdy - xhat * c1) * rstd[:, None]
     else:
         dx = (wdy - (xhat * c1 + wdy.mean(dim=1, keepdim=True))) * rstd[:, None]
+    if dresidual is not None:
+        dx = dx + as_2d(dresidual).float()
     dgamma = (dy2 * xhat).sum(0).to(weight.dtype)
     dbeta = None if is_rms else dy2.sum(0).to(weight.dtype)
     return dx.to(x.dtype).reshape(x.shape), dgamma, dbeta
 
 
-def layernorm_bwd_reference(dy, x, mean, rstd, weight, *, zero_centered_gamma=False):
+def layernorm_bwd_reference(dy, x, mean, rstd, weight, *, zero_centered_gamma=False, dresidual=None):
     """Plain-PyTorch ``layernorm_bwd``."""
-    return _norm_bwd_reference(dy, x, mean, rstd, weight, zero_centered_gamma, False)
+    return _norm_bwd_reference(dy, x, mean, rstd, weight, zero_centered_gamma, False, dresidual)
 
 
-def rmsnorm_bwd_reference(dy, x, rstd, weight, *, zero_centered_gamma=False):
+def rmsnorm_bwd_reference(dy, x, rstd, weight, *, zero_centered_gamma=False, dresidual=None):
     """Plain-PyTorch ``rmsnorm_bwd``."""
-    dx, dgamma, _ = _norm_bwd_reference(dy, x, None, rstd, weight, zero_centered_gamma, True)
+    dx, dgamma, _ = _norm_bwd_reference(dy, x, None, rstd, weight, zero_centered_gamma, True, dresidual)
     return dx, dgamma

@@ -143,3 +143,60 @@ def test_norm_errors(device):
         rmsnorm_fwd(x, w, EPS, scale=torch.ones(1, device=device))
     with pytest.raises(ValueError, match="no output"):
         rmsnorm_fwd(x, w, EPS, return_hp=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(33, 48), (2, 9, 300)])
+@pytest.mark.parametrize("rms", [False, True])
+def test_residual_fused_equals_add_then_norm(device, dtype, shape, rms):
+    """Forward with ``residual``: residual_out is exactly torch's ``x + residual`` and every output (y, FP8 bits,
+    mean, rstd, amax) is exactly that of the kernel run on the sum. Backward with ``dresidual``: dx equals the
+    plain backward's fp32 dx plus dresidual, rounded once (the reference; within the usual tolerances), and
+    dgamma/dbeta are unchanged."""
+    x = randn(shape, dtype, device, seed=3, scale=2.0)
+    r = randn(shape, dtype, device, seed=4, scale=2.0)
+    dy, dres = randn(shape, dtype, device, seed=5), randn(shape, dtype, device, seed=6)
+    w, b = _params(shape, dtype, device, False)
+    fp8 = dict(scale=torch.tensor([FP8_MAX[torch.float8_e4m3fn] / 8.0], device=device), fp8_dtype=torch.float8_e4m3fn)
+    amax_f, amax_p = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    fwd, bwd = (rmsnorm_fwd, rmsnorm_bwd) if rms else (layernorm_fwd, layernorm_bwd)
+    fwd_ref, bwd_ref = (rmsnorm_fwd_reference, rmsnorm_bwd_reference) if rms else (layernorm_fwd_reference,
+                                                                                   layernorm_bwd_reference)
+    args = (w,) if rms else (w, b)
+    s = torch.empty_like(x)
+    fused = fwd(x, *args, EPS, residual=r, residual_out=s, amax_out=amax_f, **fp8)
+    plain = fwd(x + r, *args, EPS, amax_out=amax_p, **fp8)
+    assert torch.equal(s, x + r)
+    for a, p in zip(fused, plain):
+        if a is not None and a.dtype in FP8_DTYPES:
+            assert torch.equal(a.view(torch.uint8), p.view(torch.uint8))
+        elif a is not None:
+            assert torch.equal(a, p)
+    assert torch.equal(amax_f, amax_p)
+    s_ref = torch.empty_like(x)
+    ref = fwd_ref(x, *args, EPS, residual=r, residual_out=s_ref, **fp8)
+    assert torch.equal(s_ref, x + r)
+    _close(fused[0], ref[0], dtype)
+    stats = fused[-1:] if rms else fused[-2:]
+    g = bwd(dy, s, *stats, w, dresidual=dres)
+    g_plain = bwd(dy, s, *stats, w)
+    g_ref = bwd_ref(dy, s, *stats, w, dresidual=dres)
+    _close(g[0], g_ref[0], dtype)
+    # against the unfused backward + add: one rounding of a sum of two values, each within an ulp of dtype
+    diff = (g[0].float() - (g_plain[0].float() + dres.float())).abs()
+    assert (diff <= 2 * max(dtype_rtol(dtype), 2e-5) * (g_plain[0].float().abs() + dres.float().abs()) + 2e-5).all()
+    for a, p in zip(g[1:], g_plain[1:]):
+        assert torch.equal(a, p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_residual_argument_errors(device):
+    x = randn((4, 16), torch.float32, device)
+    w = torch.ones(16, device=device)
+    with pytest.raises(ValueError, match="both residual and residual_out"):
+        layernorm_fwd(x, w, None, EPS, residual=x.clone())
+    with pytest.raises(ValueError, match="residual must match x"):
+        layernorm_fwd(x, w, None, EPS, residual=x.half(), residual_out=torch.empty_like(x))
+    with pytest.raises(ValueError, match="dresidual must match x"):
+        rmsnorm_bwd(x, x, torch.ones(4, device=device), w, dresidual=x[:2].contiguous())
