@@ -194,26 +194,37 @@ class MultiheadAttention(nn.Module):
         self._padding = attn_mask_type == "padding"
 
     def _qkv(self, hidden_states: torch.Tensor, is_first_microbatch: Optional[bool]):
-        """The projection as ``q [s, b, H_local, d]``, ``k, v [s, b, G_local, d]`` (views, no copy)."""
+        """The projection as ``q [s, b, H_local, d]``, ``k, v [s, b, G_local, d]`` (views, no copy), and the
+        tensor the input norm normalised (``hidden_states`` itself, whose gradient that norm's backward adds;
+        without an input norm simply ``hidden_states``)."""
         cfg = self.config
-        qkv = self.layernorm_qkv if self._input_layernorm else self.qkv
         hl, gl, d = cfg.local_heads, cfg.local_groups, cfg.head_dim
+        kw = dict(is_first_microbatch=is_first_microbatch)
+        if self._input_layernorm:
+            qkv, kw["return_norm_input"] = self.layernorm_qkv, True
+        else:
+            qkv = self.qkv
         if self.fuse_qkv_params:
-            q, k, v = qkv(hidden_states, is_first_microbatch=is_first_microbatch, qkv_split=(gl, hl // gl, d))
-            return q.reshape(*q.shape[:2], hl, d), k, v
-        mixed = qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+            out = qkv(hidden_states, qkv_split=(gl, hl // gl, d), **kw)
+            (q, k, v), s_in = (out[0], out[1]) if self._input_layernorm else (out, hidden_states)
+            return q.reshape(*q.shape[:2], hl, d), k, v, s_in
+        out = qkv(hidden_states, **kw)
+        mixed, s_in = (out[0], out[1]) if self._input_layernorm else (out, hidden_states)
         s, b = mixed.shape[:2]
         q, k, v = mixed.split([hl * d, gl * d, gl * d], dim=-1)
-        return q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d)
+        return q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d), s_in
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None,
-                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+                is_first_microbatch: Optional[bool] = None, *, return_norm_input: bool = False):
         """``hidden_states``: ``[s, b, h]`` (``[s/tp, b, h]`` sequence parallel) -> same shape.
 
         ``attention_mask``: bool ``[b, 1, 1, s]``, True = masked out; only with ``attn_mask_type="padding"``.
         ``rotary_pos_emb``: angles ``[s, 1, 1, r]`` (from :class:`RotaryEmbedding`), applied to q and k.
         ``is_first_microbatch``: FP8 weight caching (see :class:`fp8engine.modules.base.FP8WeightCache`).
+        ``return_norm_input``: return ``(out, hidden_states')`` where ``hidden_states'`` is ``hidden_states`` as
+        seen by the input norm: use it for the residual connection and its gradient is added inside that norm's
+        backward (no separate gradient add; TransformerLayer does this).
         """
         if self._padding:
             if attention_mask is None:
@@ -224,7 +235,7 @@ class MultiheadAttention(nn.Module):
                              "attn_mask_type")
         else:
             attn_mask = None
-        q, k, v = self._qkv(hidden_states, is_first_microbatch)
+        q, k, v, s_in = self._qkv(hidden_states, is_first_microbatch)
         if rotary_pos_emb is not None:
             q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
         cfg = self.config
@@ -238,7 +249,8 @@ class MultiheadAttention(nn.Module):
                                                  enable_gqa=cfg.local_groups != cfg.local_heads)
         s, b = ctx.shape[2], ctx.shape[0]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, cfg.local_heads * cfg.head_dim)
-        return self.proj(ctx, is_first_microbatch=is_first_microbatch)
+        out = self.proj(ctx, is_first_microbatch=is_first_microbatch)
+        return (out, s_in) if return_norm_input else out
 
     def extra_repr(self) -> str:
         c = self.config

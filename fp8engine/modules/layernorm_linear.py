@@ -193,25 +193,31 @@ class LayerNormLinear(FP8Module):
         return w, b
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None,
-                qkv_split: Optional[tuple[int, int, int]] = None):
+                qkv_split: Optional[tuple[int, int, int]] = None, *, residual: Optional[torch.Tensor] = None,
+                return_norm_input: bool = False):
         """``x``: ``[s, b, K]`` (``[s/tp, b, K]`` when sequence parallel) -> ``[s, b, N_local]``, or
         ``(y, norm(x))`` with ``return_layernorm_output``. ``is_first_microbatch``: FP8 weight caching
         (see :class:`fp8engine.modules.base.FP8WeightCache`). ``qkv_split = (g, hpg, d)`` (MultiheadAttention's
         fused QKV weight): return ``(q, k, v)``, the grouped views of :func:`fp8engine.ops.qkv.fp8_linear_qkv`,
-        instead of ``y``."""
+        instead of ``y``.
+
+        Residual connection (TransformerLayer uses both): ``residual`` (like ``x``) normalises ``x + residual``,
+        the add done by the norm kernel; ``return_norm_input`` appends the normalised tensor (``x`` or
+        ``x + residual``) to the outputs, and a gradient flowing into it is added inside the norm's backward."""
         plan = self.fp8_begin()
         weight, bias = self._weight_bias()
         ln_fp8 = None
         if self.normalization is None:
-            ln = x
+            ln = s = x if residual is None else x + residual
         elif plan is None or self.sequence_parallel:  # sequence parallel: cast after the all-gather
-            ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                      zero_centered_gamma=self.zero_centered_gamma)
+            ln, s = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                         zero_centered_gamma=self.zero_centered_gamma, residual=residual, return_input=True)
         else:
-            ln, ln_fp8 = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                                   zero_centered_gamma=self.zero_centered_gamma, state=self.fp8_state, row=0,
-                                   plan=plan, transpose=torch.is_grad_enabled(),
-                                   return_hp=self.return_layernorm_output)
+            ln, ln_fp8, s = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                                      zero_centered_gamma=self.zero_centered_gamma, state=self.fp8_state, row=0,
+                                      plan=plan, transpose=torch.is_grad_enabled(),
+                                      return_hp=self.return_layernorm_output, residual=residual,
+                                      return_input=True)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         if plan is None:
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
@@ -228,7 +234,10 @@ class LayerNormLinear(FP8Module):
             else:
                 out = fp8_linear(total, weight, bias, self.fp8_state, plan, w_fp8=w_fp8, x_fp8=ln_fp8,
                                  fuse_wgrad=self.fuse_wgrad_accumulation)
-        return (out, ln) if self.return_layernorm_output else out
+        result = (out, ln) if self.return_layernorm_output else (out,)
+        if return_norm_input:
+            result += (s,)
+        return result if len(result) > 1 else out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local), "

@@ -85,47 +85,56 @@ class LayerNormMLP(FP8Module):
             if p is not None:
                 p.sequence_parallel = self.sequence_parallel
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
+                residual: Optional[torch.Tensor] = None, return_norm_input: bool = False):
         """``x``: ``[s, b, h]`` (``[s/tp, b, h]`` when sequence parallel) -> same shape, or ``(y, norm(x))`` with
-        ``return_layernorm_output``. ``is_first_microbatch``: FP8 weight caching of fc1/fc2."""
+        ``return_layernorm_output``. ``is_first_microbatch``: FP8 weight caching of fc1/fc2.
+
+        Residual connection (as :meth:`LayerNormLinear.forward`): ``residual`` normalises ``x + residual`` (added
+        by the norm kernel); ``return_norm_input`` appends the normalised tensor to the outputs, and its gradient
+        is added inside the norm's backward."""
         plan = self.fp8_begin()
         # Row-parallel fc2 adds its bias after the reduction; unsharded, the GEMM adds it.
         fc2_bias = self.fc2_bias if self.tp_group is None else None
         if plan is None:
-            ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                      zero_centered_gamma=self.zero_centered_gamma)
+            ln, s = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                         zero_centered_gamma=self.zero_centered_gamma, residual=residual, return_input=True)
             h = self._hp_linear(enter_column_parallel(ln, self.tp_group, self.sequence_parallel), self.fc1_weight,
                                 self.fc1_bias)
             y = self._hp_linear(activation(h, self.activation), self.fc2_weight, fc2_bias)
         else:
-            y, ln = self._fp8_forward(x, plan, fc2_bias, is_first_microbatch)
+            y, ln, s = self._fp8_forward(x, plan, fc2_bias, is_first_microbatch, residual)
         if self.tp_group is not None:
             y = exit_row_parallel(y, self.fc2_bias, self.tp_group, self.sequence_parallel)
-        return (y, ln) if self.return_layernorm_output else y
+        result = (y, ln) if self.return_layernorm_output else (y,)
+        if return_norm_input:
+            result += (s,)
+        return result if len(result) > 1 else y
 
     def _hp_linear(self, x, weight, bias):
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
             return linear_main_grad(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def _fp8_forward(self, x, plan, fc2_bias, is_first_microbatch):
+    def _fp8_forward(self, x, plan, fc2_bias, is_first_microbatch, residual):
         grad = torch.is_grad_enabled()
         st, fuse = self.fp8_state, self.fuse_wgrad_accumulation
         if self.sequence_parallel:  # the FP8 cast comes after the all-gather
-            ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                      zero_centered_gamma=self.zero_centered_gamma)
+            ln, s = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                         zero_centered_gamma=self.zero_centered_gamma, residual=residual, return_input=True)
             ln_fp8 = None
         else:
-            ln, ln_fp8 = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                                   zero_centered_gamma=self.zero_centered_gamma, state=st, row=_FC1_ROWS[0],
-                                   plan=plan, transpose=grad, return_hp=self.return_layernorm_output)
+            ln, ln_fp8, s = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
+                                      zero_centered_gamma=self.zero_centered_gamma, state=st, row=_FC1_ROWS[0],
+                                      plan=plan, transpose=grad, return_hp=self.return_layernorm_output,
+                                      residual=residual, return_input=True)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         w1 = self.fp8_weight("fc1_weight", self.fc1_weight, "fc1_weight", plan, is_first_microbatch)
         w2 = self.fp8_weight("fc2_weight", self.fc2_weight, "fc2_weight", plan, is_first_microbatch)
         mlp = fp8_mlp if self._fused else _unfused_fp8_mlp
         y = mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation, st, plan,
                 w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=fuse, rows=_FC1_ROWS + _FC2_ROWS)
-        return y, ln
+        return y, ln, s
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size} (local), "

@@ -69,11 +69,11 @@ class TransformerLayer(nn.Module):
         # comes from the tracker's per-rank state (as in Megatron), not from the default generator shared by all.
         self._sp_rng = rng_tracker if sequence_parallel and set_parallel_mode else None
 
-    def _residual(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    def _dropout(self, branch: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
             with self._sp_rng.fork() if self._sp_rng is not None else contextlib.nullcontext():
                 branch = F.dropout(branch, self.hidden_dropout, training=True)
-        return residual + branch
+        return branch
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 is_first_microbatch: Optional[bool] = None,
@@ -84,7 +84,11 @@ class TransformerLayer(nn.Module):
         ``rotary_pos_emb``: ``[s, 1, 1, r]`` angles from :class:`fp8engine.modules.RotaryEmbedding` (full ``s``).
         ``is_first_microbatch``: FP8 weight caching across micro-batches (None: cast every call).
         """
-        attn = self.self_attention(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                   is_first_microbatch=is_first_microbatch)
-        x = self._residual(hidden_states, attn)
-        return self._residual(x, self.layernorm_mlp(x, is_first_microbatch=is_first_microbatch))
+        # The first residual add runs inside the MLP's norm kernel (it normalises hidden_states + attn and returns
+        # the sum x); the gradients reaching hidden_states and x through the residual path are added inside the
+        # two norms' backward kernels (return_norm_input), so only the last add is a separate kernel.
+        attn, hidden_in = self.self_attention(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                              is_first_microbatch=is_first_microbatch, return_norm_input=True)
+        mlp_out, x = self.layernorm_mlp(self._dropout(attn), is_first_microbatch=is_first_microbatch,
+                                        residual=hidden_in, return_norm_input=True)
+        return x + self._dropout(mlp_out)

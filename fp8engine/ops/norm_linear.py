@@ -33,7 +33,8 @@ def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
 
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
-             zero_centered_gamma: bool, fp8: Optional[tuple] = None, return_hp: bool = True):
+             zero_centered_gamma: bool, fp8: Optional[tuple] = None, return_hp: bool = True,
+             residual: Optional[torch.Tensor] = None):
     """Normalise the last dim of ``x`` and, with ``fp8 = (state, row, plan, transpose)``, cast the result.
 
     Args:
@@ -44,14 +45,20 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         return_hp: False when only the FP8 copy is consumed: the fused kernel (delayed scaling) then skips writing
             the high-precision output and ``y`` is a placeholder of the right shape and dtype whose values must
             not be read (it only carries the gradient back to this op, see :class:`_NormCast`).
+        residual: optional ``[..., N]`` like ``x``: normalise ``x + residual`` (the residual connection in front
+            of a pre-norm sublayer; in the norm kernel on CUDA, torch's add elsewhere).
     Returns:
-        ``(y [..., N] in x.dtype, y_fp8 Float8Tensor [M, N] or None, mean or None, rstd)``; mean/rstd are opaque
-        to callers (only :func:`norm_bwd` reads them; their layout depends on the path taken).
+        ``(y [..., N] in x.dtype, y_fp8 Float8Tensor [M, N] or None, mean or None, rstd, s)``; ``s`` is the
+        normalised tensor (``x``, or ``x + residual``); mean/rstd are opaque to callers (only :func:`norm_bwd`
+        reads them; their layout depends on the path taken).
     """
     if use_kernels(x):  # Triton: normalisation and FP8 cast (delayed scaling) in one pass over x
         from fp8engine.kernels import norm as kn
 
         x = x.contiguous()
+        res = {}
+        if residual is not None:
+            res = dict(residual=residual.contiguous(), residual_out=torch.empty_like(x))
         delayed = fp8 is not None and fp8[2].delayed
         return_hp = return_hp or not delayed  # the torch cast of current scaling reads y
         scale = fp8_dtype = amax_out = None
@@ -62,13 +69,15 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         if rms:
             y, y8, scale_inv, rstd = kn.rmsnorm_fwd(x, weight, eps, zero_centered_gamma=zero_centered_gamma,
                                                     scale=scale, fp8_dtype=fp8_dtype, amax_out=amax_out,
-                                                    return_hp=return_hp)
+                                                    return_hp=return_hp, **res)
             mean = None
         else:
             y, y8, scale_inv, mean, rstd = kn.layernorm_fwd(x, weight, bias, eps,
                                                             zero_centered_gamma=zero_centered_gamma, scale=scale,
                                                             fp8_dtype=fp8_dtype, amax_out=amax_out,
-                                                            return_hp=return_hp)
+                                                            return_hp=return_hp, **res)
+        if residual is not None:
+            x = res["residual_out"]
         if y is None:  # gradient carrier only: one element broadcast to y's shape, no [M, N] write
             y = x.new_empty(()).expand(x.shape)
         y_fp8 = None
@@ -78,7 +87,9 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype)
         elif fp8 is not None:
             y_fp8 = cast_operand(y.reshape(-1, y.shape[-1]), fp8[0], fp8[1], fp8[2], transpose=fp8[3])
-        return y, y_fp8, mean, rstd
+        return y, y_fp8, mean, rstd, x
+    if residual is not None:
+        x = x + residual
     gamma = _gamma(weight, zero_centered_gamma)
     shape = (x.shape[-1],)
     if not rms:
@@ -91,21 +102,29 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     y_fp8 = None
     if fp8 is not None:
         y_fp8 = cast_operand(y.reshape(-1, shape[0]), fp8[0], fp8[1], fp8[2], transpose=fp8[3])
-    return y, y_fp8, mean, rstd
+    return y, y_fp8, mean, rstd, x
 
 
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean, rstd, weight: torch.Tensor, *, rms: bool,
-             zero_centered_gamma: bool, has_bias: bool):
+             zero_centered_gamma: bool, has_bias: bool, dresidual: Optional[torch.Tensor] = None):
     """Gradients ``(dx [..., N] in x.dtype, dweight [N], dbias [N] or None)`` of :func:`norm_fwd`'s ``y``
-    (``d/dweight`` equals ``d/dgamma``, also with ``zero_centered_gamma``)."""
+    (``d/dweight`` equals ``d/dgamma``, also with ``zero_centered_gamma``); ``x`` is the normalised tensor.
+    ``dresidual`` (like x): a gradient reaching ``x`` by another path, added to dx (in the kernel on CUDA)."""
     if use_kernels(x):
         from fp8engine.kernels import norm as kn
 
         dy, x = dy.contiguous(), x.contiguous()
+        dres = None if dresidual is None else dresidual.contiguous()
         if rms:
-            dx, dw = kn.rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=zero_centered_gamma)
+            dx, dw = kn.rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=zero_centered_gamma, dresidual=dres)
             return dx, dw, None
-        return kn.layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma)
+        return kn.layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma,
+                                dresidual=dres)
+    dx, dw, db = _norm_bwd_torch(dy, x, mean, rstd, weight, rms, zero_centered_gamma, has_bias)
+    return (dx if dresidual is None else dx + dresidual), dw, db
+
+
+def _norm_bwd_torch(dy, x, mean, rstd, weight, rms, zero_centered_gamma, has_bias):
     gamma = _gamma(weight, zero_centered_gamma)
     shape = (x.shape[-1],)
     if not rms:
@@ -120,38 +139,52 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean, rstd, weight: torch.Tensor
 
 
 class _NormCast(torch.autograd.Function):
-    """``y, y_fp8 = norm(x)``; backward takes ``dy`` for ``y`` (the FP8 copy's consumer routes its gradient
-    through ``y``, see :func:`fp8engine.ops.linear.fp8_linear`)."""
+    """``y, y_fp8, s = norm(x [+ residual])``; backward takes ``dy`` for ``y`` (the FP8 copy's consumer routes its
+    gradient through ``y``, see :func:`fp8engine.ops.linear.fp8_linear`) and ``ds`` for the normalised tensor
+    ``s`` (``x`` itself, or ``x + residual``), which the norm backward adds to dx: a residual connection that
+    also reads ``s`` costs no separate gradient add."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma, fp8, return_hp=True):
-        y, y_fp8, mean, rstd = norm_fwd(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma,
-                                        fp8=fp8, return_hp=return_hp)
-        ctx.save_for_backward(x, weight, mean, rstd)
+    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma, fp8, return_hp=True, residual=None):
+        y, y_fp8, mean, rstd, s = norm_fwd(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma,
+                                           fp8=fp8, return_hp=return_hp, residual=residual)
+        ctx.set_materialize_grads(False)  # an unused s gets no zero-filled gradient
+        ctx.save_for_backward(s, weight, mean, rstd)
         ctx.rms, ctx.zero_centered_gamma, ctx.has_bias = rms, zero_centered_gamma, bias is not None
-        return y, y_fp8
+        ctx.has_residual = residual is not None
+        return y, y_fp8, s
 
     @staticmethod
-    def backward(ctx, dy, _unused):
-        x, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = norm_bwd(dy, x, mean, rstd, weight, rms=ctx.rms, zero_centered_gamma=ctx.zero_centered_gamma,
-                              has_bias=ctx.has_bias)
-        return dx, dw, db, None, None, None, None, None
+    def backward(ctx, dy, _unused, ds):
+        s, weight, mean, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(s)
+        dx, dw, db = norm_bwd(dy, s, mean, rstd, weight, rms=ctx.rms, zero_centered_gamma=ctx.zero_centered_gamma,
+                              has_bias=ctx.has_bias, dresidual=ds)
+        return dx, dw, db, None, None, None, None, None, (dx if ctx.has_residual else None)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
-         zero_centered_gamma: bool = False) -> torch.Tensor:
+         zero_centered_gamma: bool = False, residual: Optional[torch.Tensor] = None, return_input: bool = False):
     """LayerNorm (``rms=False``) or RMSNorm of the last dim; ``x [..., N]`` -> ``[..., N]`` in ``x.dtype``.
-    On CPU this is exactly ``F.layer_norm`` / ``F.rms_norm`` (same ATen kernels)."""
-    return _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None)[0]
+    On CPU this is exactly ``F.layer_norm`` / ``F.rms_norm`` (same ATen kernels).
+
+    ``residual`` (like x): normalise ``x + residual``. ``return_input``: return ``(y, s)`` with ``s`` the
+    normalised tensor (``x`` or ``x + residual``), whose gradient is added inside the norm's backward."""
+    y, _, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None, True, residual)
+    return (y, s) if return_input else y
 
 
 def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
               zero_centered_gamma: bool, state: ScalingState, row: int, plan: FP8Plan,
-              transpose: bool, return_hp: bool = True) -> tuple[torch.Tensor, Float8Tensor]:
+              transpose: bool, return_hp: bool = True, residual: Optional[torch.Tensor] = None,
+              return_input: bool = False) -> tuple:
     """:func:`norm` plus the FP8 copy ``[M, N]`` of its output cast for ``state`` row ``row`` (with its transpose
-    when ``transpose``, for the wgrad of the GEMM that consumes it). Returns ``(y, y_fp8)``.
+    when ``transpose``, for the wgrad of the GEMM that consumes it). Returns ``(y, y_fp8)``, or ``(y, y_fp8, s)``
+    with ``return_input`` (``residual`` and ``s`` as in :func:`norm`).
 
     ``return_hp=False``: the caller only consumes ``y_fp8`` and uses ``y`` as the tensor its gradient flows
     through (shape and dtype only); the fused kernel then skips the high-precision write (see :func:`norm_fwd`)."""
-    return _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, (state, row, plan, transpose), return_hp)
+    y, y_fp8, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, (state, row, plan, transpose),
+                                  return_hp, residual)
+    return (y, y_fp8, s) if return_input else (y, y_fp8)

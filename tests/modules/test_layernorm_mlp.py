@@ -144,3 +144,26 @@ def test_fused_fp8_mlp_matches_unfused(recipe, activation, bias):
     (ya, ga, ha, sa), (yb, gb, hb, sb) = results
     for u, v in zip(ya + ga + [ha, sa], yb + gb + [hb, sb]):
         torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_residual_argument_matches_add_in_front(fp8):
+    """mlp(b, residual=r, return_norm_input=True) == (mlp(r + b), r + b), gradients included (CPU torch path:
+    the same add and the same gradient accumulation, so exact)."""
+    g = torch.Generator().manual_seed(4)
+    r0, b0 = torch.randn(5, 3, H, generator=g), torch.randn(5, 3, H, generator=g)
+    dy, ds = torch.randn(5, 3, H, generator=g), torch.randn(5, 3, H, generator=g)
+    outs = []
+    for fused in (True, False):
+        mlp = _mlp()  # fresh scaling state each time (delayed scaling updates it)
+        r, b = r0.clone().requires_grad_(), b0.clone().requires_grad_()
+        with fp8engine.autocast(enabled=fp8):
+            if fused:
+                y, s = mlp(b, residual=r, return_norm_input=True)
+            else:
+                s = r + b
+                y = mlp(s)
+        torch.autograd.backward([y, s], [dy, ds])
+        outs.append([y.detach(), s.detach(), r.grad, b.grad] + [p.grad.clone() for p in mlp.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

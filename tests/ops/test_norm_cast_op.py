@@ -50,3 +50,62 @@ def test_torch_path_ignores_return_hp():
                      transpose=False, return_hp=False)
     assert not ops_cast.use_kernels(x)
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (48,), w, b, 1e-5), rtol=0, atol=0)
+
+
+def _run_residual(rms, dtype, fused):
+    """``s = x + r``, ``y = norm(s)``; the loss uses y (through its gradient) and s (a residual path). fused: the
+    add inside norm_cast (residual=r, return_input=True); else torch's add, then norm_cast on the sum."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(70, 48, generator=g) * 2).to(dtype).requires_grad_()
+    r = (torch.randn(70, 48, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
+    w = (torch.rand(48, generator=g) + 0.5).to(dtype).requires_grad_()
+    b = None if rms else (torch.randn(48, generator=g) * 0.1).to(dtype).requires_grad_()
+    st, plan = make_state(("input", "weight", "grad_output"), True)
+    kw = dict(rms=rms, zero_centered_gamma=False, state=st, row=0, plan=plan, transpose=True, return_hp=True)
+    if fused:
+        y, y_fp8, s = norm_cast(x, w, b, 1e-5, residual=r, return_input=True, **kw)
+    else:
+        s = x + r
+        y, y_fp8 = norm_cast(s, w, b, 1e-5, **kw)
+    dy, ds = torch.randn(x.shape, generator=g).to(dtype), torch.randn(x.shape, generator=g).to(dtype)
+    torch.autograd.backward([y, s], [dy, ds])
+    return s.detach(), y.detach(), y_fp8, [t.grad for t in (x, r, w, b) if t is not None]
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_residual_fused_matches_add_then_norm(force_kernels, monkeypatch, rms, dtype, kernels):
+    """The residual add inside norm_cast vs torch's add in front of it, on both paths: s, y, the FP8 bits and
+    dgamma/dbeta identical; x and r get one gradient, the norm's dx plus ds: on the kernel path added in fp32
+    inside the kernel (one rounding), on the torch path and in autograd's accumulation after rounding (two), so
+    within 2 ulps of dtype on the kernel path and exact on the torch path."""
+    if kernels:
+        monkeypatch.setattr(ops_norm, "use_kernels", lambda t: True)
+        force_kernels(True)
+    s_u, y_u, f_u, g_u = _run_residual(rms, dtype, False)
+    s_f, y_f, f_f, g_f = _run_residual(rms, dtype, True)
+    assert torch.equal(s_f, s_u) and torch.equal(y_f, y_u)
+    assert torch.equal(f_f.data.view(torch.uint8), f_u.data.view(torch.uint8))
+    assert torch.equal(g_f[0], g_f[1])  # x and residual: one gradient
+    tol = 0 if not kernels else (2e-5 if dtype == torch.float32 else 2 ** -7)
+    for a, b in zip(g_f[:2], g_u[:2]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    for a, b in zip(g_f[2:], g_u[2:]):
+        assert torch.equal(a, b)
+
+
+def test_return_input_without_residual_is_a_gradient_path():
+    """return_input without residual returns x itself (a view); a gradient into it is added to the norm's dx."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 32, generator=g, requires_grad=True)
+    w, b = torch.rand(32, generator=g) + 0.5, torch.randn(32, generator=g)
+    st, plan = make_state(("input", "weight", "grad_output"), True)
+    y, _, s = norm_cast(x, w, b, 1e-5, rms=False, zero_centered_gamma=False, state=st, row=0, plan=plan,
+                        transpose=False, return_input=True)
+    assert torch.equal(s, x)
+    dy, ds = torch.randn(9, 32, generator=g), torch.randn(9, 32, generator=g)
+    torch.autograd.backward([y, s], [dy, ds])
+    x2 = x.detach().clone().requires_grad_()
+    torch.nn.functional.layer_norm(x2, (32,), w, b, 1e-5).backward(dy)
+    torch.testing.assert_close(x.grad, x2.grad + ds, rtol=0, atol=0)

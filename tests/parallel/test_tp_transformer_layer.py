@@ -83,8 +83,7 @@ def _dropout_worker(rank, ws, use_tracker):
                                              set_parallel_mode=True, tp_group=g, sequence_parallel=True,
                                              rng_tracker=tracker, params_dtype=torch.float64)
         before = torch.get_rng_state()
-        mask = layer._residual(torch.zeros(S // ws, B, H, dtype=torch.float64),
-                               torch.ones(S // ws, B, H, dtype=torch.float64))
+        mask = layer._dropout(torch.ones(S // ws, B, H, dtype=torch.float64))
         # With the tracker the default generator is untouched (data order etc. stay the same on every rank).
         assert torch.equal(torch.get_rng_state(), before) == use_tracker
         masks.append(mask)
