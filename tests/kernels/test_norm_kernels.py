@@ -151,7 +151,8 @@ def test_norm_errors(device):
 @pytest.mark.parametrize("rms", [False, True])
 def test_residual_fused_equals_add_then_norm(device, dtype, shape, rms):
     """Forward with ``residual``: residual_out is exactly torch's ``x + residual`` and every output (y, FP8 bits,
-    mean, rstd, amax) is exactly that of the kernel run on the sum. Backward with ``dresidual``: dx equals the
+    mean, rstd, amax) is that of the kernel run on the sum (exact under the interpreter; on a GPU within the
+    kernel tolerances, see below). Backward with ``dresidual``: dx equals the
     plain backward's fp32 dx plus dresidual, rounded once (the reference; within the usual tolerances), and
     dgamma/dbeta are unchanged."""
     x = randn(shape, dtype, device, seed=3, scale=2.0)
@@ -168,12 +169,14 @@ def test_residual_fused_equals_add_then_norm(device, dtype, shape, rms):
     fused = fwd(x, *args, EPS, residual=r, residual_out=s, amax_out=amax_f, **fp8)
     plain = fwd(x + r, *args, EPS, amax_out=amax_p, **fp8)
     assert torch.equal(s, x + r)
+    # the same values normalised; on a GPU the compiler may order the row reductions differently in the fused
+    # kernel (seen for fp32 on H200: last-bit differences in y), so outputs agree to the kernel tolerances
     for a, p in zip(fused, plain):
         if a is not None and a.dtype in FP8_DTYPES:
-            assert torch.equal(a.view(torch.uint8), p.view(torch.uint8))
+            assert_fp8_close(a, p, a.dtype)
         elif a is not None:
-            assert torch.equal(a, p)
-    assert torch.equal(amax_f, amax_p)
+            _close(a, p, a.dtype)
+    torch.testing.assert_close(amax_f, amax_p, rtol=1e-5, atol=0)
     s_ref = torch.empty_like(x)
     ref = fwd_ref(x, *args, EPS, residual=r, residual_out=s_ref, **fp8)
     assert torch.equal(s_ref, x + r)
