@@ -6,6 +6,10 @@ Forward: ``y = (x - mean) * rstd * gamma + beta`` (LayerNorm) or ``y = x * rstd 
 also writes ``y_fp8 = saturate(y_fp32 * scale).to(fp8_dtype)`` (from the fp32 y, not the rounded y_hp), a new
 ``scale_inv = 1/scale`` and, if ``amax_out`` is given, ``atomic_max(amax_out, max|y_fp32|)`` (NaN counts as +inf).
 
+Residual connection (optional, TransformerLayer's pre-norm blocks): forward with ``residual`` normalises
+``x + residual`` (rounded to x.dtype as torch's add, written to ``residual_out``); backward with ``dresidual`` adds
+that gradient (the one reaching the sum through the residual path) to dx in fp32 before the one rounding.
+
 Backward (xhat = (x - mean) * rstd, wdy = dy * gamma):
     LayerNorm: dx = rstd * (wdy - mean(xhat * wdy) * xhat - mean(wdy)),  RMSNorm: dx = rstd * (wdy - mean(xhat*wdy)*xhat)
     dgamma = sum_rows(dy * xhat), dbeta = sum_rows(dy)   (d/dweight is the same with zero_centered_gamma)
