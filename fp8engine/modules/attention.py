@@ -193,23 +193,23 @@ class MultiheadAttention(nn.Module):
         self._is_causal = attn_mask_type == "causal"
         self._padding = attn_mask_type == "padding"
 
+    def _project(self, hidden_states: torch.Tensor, **kw):
+        """The QKV projection's output and the tensor its input norm normalised (``hidden_states`` as the norm saw
+        it: a gradient into it is added inside that norm's backward; without an input norm, ``hidden_states``)."""
+        if self._input_layernorm:
+            return self.layernorm_qkv(hidden_states, return_norm_input=True, **kw)
+        return self.qkv(hidden_states, **kw), hidden_states
+
     def _qkv(self, hidden_states: torch.Tensor, is_first_microbatch: Optional[bool]):
-        """The projection as ``q [s, b, H_local, d]``, ``k, v [s, b, G_local, d]`` (views, no copy), and the
-        tensor the input norm normalised (``hidden_states`` itself, whose gradient that norm's backward adds;
-        without an input norm simply ``hidden_states``)."""
+        """``q [s, b, H_local, d]``, ``k, v [s, b, G_local, d]`` (views, no copy), and the normalised input (see
+        :meth:`_project`)."""
         cfg = self.config
         hl, gl, d = cfg.local_heads, cfg.local_groups, cfg.head_dim
-        kw = dict(is_first_microbatch=is_first_microbatch)
-        if self._input_layernorm:
-            qkv, kw["return_norm_input"] = self.layernorm_qkv, True
-        else:
-            qkv = self.qkv
         if self.fuse_qkv_params:
-            out = qkv(hidden_states, qkv_split=(gl, hl // gl, d), **kw)
-            (q, k, v), s_in = (out[0], out[1]) if self._input_layernorm else (out, hidden_states)
+            (q, k, v), s_in = self._project(hidden_states, is_first_microbatch=is_first_microbatch,
+                                            qkv_split=(gl, hl // gl, d))
             return q.reshape(*q.shape[:2], hl, d), k, v, s_in
-        out = qkv(hidden_states, **kw)
-        mixed, s_in = (out[0], out[1]) if self._input_layernorm else (out, hidden_states)
+        mixed, s_in = self._project(hidden_states, is_first_microbatch=is_first_microbatch)
         s, b = mixed.shape[:2]
         q, k, v = mixed.split([hl * d, gl * d, gl * d], dim=-1)
         return q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d), s_in

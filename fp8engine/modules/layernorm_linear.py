@@ -100,6 +100,33 @@ def no_init(_weight: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The input norm and the outputs shared by LayerNormLinear and LayerNormMLP.
+# ---------------------------------------------------------------------------------------------------------------
+def input_norm(module, x: torch.Tensor, plan, row: int, residual: Optional[torch.Tensor]):
+    """The input norm of a LayerNorm + GEMM module (``LayerNormLinear``, ``LayerNormMLP``): ``(ln, ln_fp8, s)``.
+
+    Under FP8 (``plan``) and without sequence parallelism the norm kernel also writes the FP8 copy for ``module``'s
+    ``fp8_state`` row ``row`` (``ln`` is then only a gradient carrier unless ``return_layernorm_output``);
+    otherwise ``ln_fp8`` is None (sequence parallel: the cast comes after the all-gather). ``s`` is the normalised
+    tensor, ``x`` or ``x + residual`` (see :func:`fp8engine.ops.norm_linear.norm`)."""
+    common = dict(rms=module._rms, zero_centered_gamma=module.zero_centered_gamma, residual=residual,
+                  return_input=True)
+    if plan is None or module.sequence_parallel:
+        ln, s = norm(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, **common)
+        return ln, None, s
+    return norm_cast(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, state=module.fp8_state,
+                     row=row, plan=plan, transpose=torch.is_grad_enabled(),
+                     return_hp=module.return_layernorm_output, **common)
+
+
+def norm_module_outputs(module, y: torch.Tensor, ln: torch.Tensor, s: torch.Tensor, return_norm_input: bool):
+    """``y``, then ``ln`` with ``module.return_layernorm_output``, then ``s`` with ``return_norm_input``: a tuple
+    when more than ``y`` is returned."""
+    result = (y, ln) if module.return_layernorm_output else (y,)
+    if return_norm_input:
+        result += (s,)
+    return result if len(result) > 1 else y
+
 
 class LayerNormLinear(FP8Module):
     """``y = norm(x) @ weight.T + bias``; inside :func:`fp8engine.autocast` the norm op writes its output in FP8
@@ -206,18 +233,11 @@ class LayerNormLinear(FP8Module):
         ``x + residual``) to the outputs, and a gradient flowing into it is added inside the norm's backward."""
         plan = self.fp8_begin()
         weight, bias = self._weight_bias()
-        ln_fp8 = None
         if self.normalization is None:
             ln = s = x if residual is None else x + residual
-        elif plan is None or self.sequence_parallel:  # sequence parallel: cast after the all-gather
-            ln, s = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                         zero_centered_gamma=self.zero_centered_gamma, residual=residual, return_input=True)
+            ln_fp8 = None
         else:
-            ln, ln_fp8, s = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                                      zero_centered_gamma=self.zero_centered_gamma, state=self.fp8_state, row=0,
-                                      plan=plan, transpose=torch.is_grad_enabled(),
-                                      return_hp=self.return_layernorm_output, residual=residual,
-                                      return_input=True)
+            ln, ln_fp8, s = input_norm(self, x, plan, 0, residual)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         if plan is None:
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
@@ -234,10 +254,7 @@ class LayerNormLinear(FP8Module):
             else:
                 out = fp8_linear(total, weight, bias, self.fp8_state, plan, w_fp8=w_fp8, x_fp8=ln_fp8,
                                  fuse_wgrad=self.fuse_wgrad_accumulation)
-        result = (out, ln) if self.return_layernorm_output else (out,)
-        if return_norm_input:
-            result += (s,)
-        return result if len(result) > 1 else out
+        return norm_module_outputs(self, out, ln, s, return_norm_input)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local), "

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 
 from fp8engine.modules.base import FP8Module
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
-                                                exit_row_parallel, master_weight, new_param, shard, tp_size_rank)
+                                                exit_row_parallel, input_norm, master_weight, new_param,
+                                                norm_module_outputs, shard, tp_size_rank)
 from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, _unfused_fp8_mlp, activation, fp8_mlp
-from fp8engine.ops.norm_linear import NORMALIZATIONS, norm, norm_cast
+from fp8engine.ops.norm_linear import NORMALIZATIONS
 
 __all__ = ["LayerNormMLP"]
 
@@ -97,8 +98,7 @@ class LayerNormMLP(FP8Module):
         # Row-parallel fc2 adds its bias after the reduction; unsharded, the GEMM adds it.
         fc2_bias = self.fc2_bias if self.tp_group is None else None
         if plan is None:
-            ln, s = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                         zero_centered_gamma=self.zero_centered_gamma, residual=residual, return_input=True)
+            ln, _, s = input_norm(self, x, None, 0, residual)
             h = self._hp_linear(enter_column_parallel(ln, self.tp_group, self.sequence_parallel), self.fc1_weight,
                                 self.fc1_bias)
             y = self._hp_linear(activation(h, self.activation), self.fc2_weight, fc2_bias)
@@ -106,10 +106,7 @@ class LayerNormMLP(FP8Module):
             y, ln, s = self._fp8_forward(x, plan, fc2_bias, is_first_microbatch, residual)
         if self.tp_group is not None:
             y = exit_row_parallel(y, self.fc2_bias, self.tp_group, self.sequence_parallel)
-        result = (y, ln) if self.return_layernorm_output else (y,)
-        if return_norm_input:
-            result += (s,)
-        return result if len(result) > 1 else y
+        return norm_module_outputs(self, y, ln, s, return_norm_input)
 
     def _hp_linear(self, x, weight, bias):
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
@@ -117,17 +114,8 @@ class LayerNormMLP(FP8Module):
         return F.linear(x, weight, bias)
 
     def _fp8_forward(self, x, plan, fc2_bias, is_first_microbatch, residual):
-        grad = torch.is_grad_enabled()
         st, fuse = self.fp8_state, self.fuse_wgrad_accumulation
-        if self.sequence_parallel:  # the FP8 cast comes after the all-gather
-            ln, s = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                         zero_centered_gamma=self.zero_centered_gamma, residual=residual, return_input=True)
-            ln_fp8 = None
-        else:
-            ln, ln_fp8, s = norm_cast(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, rms=self._rms,
-                                      zero_centered_gamma=self.zero_centered_gamma, state=st, row=_FC1_ROWS[0],
-                                      plan=plan, transpose=grad, return_hp=self.return_layernorm_output,
-                                      residual=residual, return_input=True)
+        ln, ln_fp8, s = input_norm(self, x, plan, _FC1_ROWS[0], residual)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         w1 = self.fp8_weight("fc1_weight", self.fc1_weight, "fc1_weight", plan, is_first_microbatch)
         w2 = self.fp8_weight("fc2_weight", self.fc2_weight, "fc2_weight", plan, is_first_microbatch)

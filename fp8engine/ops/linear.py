@@ -27,8 +27,10 @@ LINEAR_ROLES = ("input", "weight", "grad_output")
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
 
 
-def _main_grad(weight: torch.Tensor) -> torch.Tensor:
-    """``weight.main_grad``, checked: fp32, the weight's shape (``fuse_wgrad_accumulation``)."""
+def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
+    """Add ``dw`` into the fp32 ``weight.main_grad`` the user allocated (``fuse_wgrad_accumulation``).
+
+    Raises ValueError when ``main_grad`` is missing, not float32, or not shaped like the weight."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         raise ValueError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 tensor shaped like the "
@@ -36,12 +38,7 @@ def _main_grad(weight: torch.Tensor) -> torch.Tensor:
     if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape:
         raise ValueError(f"weight.main_grad must be float32 with the weight's shape {tuple(weight.shape)}, got "
                          f"{main_grad.dtype} {tuple(main_grad.shape)}")
-    return main_grad
-
-
-def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
-    """Add ``dw`` into the fp32 ``weight.main_grad`` the user allocated (``fuse_wgrad_accumulation``)."""
-    _main_grad(weight).add_(dw)
+    main_grad.add_(dw)
 
 
 class _HighPrecisionMainGrad(torch.autograd.Function):
@@ -115,7 +112,7 @@ def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple]
       ``x_t = (X^T data [K, M], scale_inv)`` is given: in ``weight.dtype``, or with ``fuse_wgrad`` in fp32 added
       into ``weight.main_grad`` (then returned as None). ``torch._scaled_mm`` has no accumulate (beta) input, so
       this is a GEMM into fp32 plus ``main_grad.add_``; a Triton FP8 GEMM accumulating in its epilogue (commit
-      e83dd18, ``kernels/gemm.py``) reached 850-920 TFLOP/s against 1080-1120 for cuBLAS + add at the layer's
+      e83dd18, ``kernels/gemm.py``) reached 847-925 TFLOP/s against 995-1120 for cuBLAS + add at the layer's
       wgrad shapes on H200 (docs/benchmarks.md) and was removed.
     Returns ``(dx or None, dw or None)``.
     """

@@ -106,8 +106,9 @@ def act_fwd_cast(h: torch.Tensor, kind: str, state: ScalingState, row: int, plan
     its transposed copy when ``transpose``; the high-precision activation is not returned.
 
     Kernels, delayed scaling: the activation kernel writes FP8 directly (scale ``state.scale[row]``, amax into the
-    history); the transpose is then an FP8 byte copy, made by the first ``transpose_2d()`` call. Current scaling needs the amax first: the activation kernel
-    writes high precision, then ``compute_amax`` + cast-transpose. Torch: :func:`act_fwd` then :func:`cast_operand`.
+    history); the transpose is then an FP8 byte copy, made by the first ``transpose_2d()`` call. Current scaling
+    needs the amax first: the activation kernel writes high precision, then ``compute_amax`` + cast-transpose.
+    Torch: :func:`act_fwd` then :func:`cast_operand`.
     """
     if not use_kernels(h):
         y = act_fwd(h, kind)
