@@ -35,7 +35,8 @@ def _same_bits(run):
 
 
 def sweep_activation():
-    """The activation kernels as configured (tiles in fp8engine/kernels/activation.py), at the MLP's shape."""
+    """The activation kernels at the MLP's shape: as configured (fp8engine/kernels/activation.py), then the backward
+    in other configurations (one kernel writing both FP8 copies vs row-major kernel + byte transpose; tiles)."""
     m, n = args.m, args.n
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -45,18 +46,31 @@ def sweep_activation():
     amax = torch.zeros(1, device="cuda")
     rows = []
     cases = [
+        ("floor: cast_to_fp8 of dy (read 2 B, write 1 B)", lambda: cast.cast_to_fp8(dy, scale, E4M3, amax)[:1], 3),
         ("gelu_fwd (fp8 out)", lambda: act.gelu_fwd(x, scale=scale, fp8_dtype=E4M3, amax_out=amax)[1:2], 3),
         ("gelu_fwd + transpose_fp8", lambda: (cast.transpose_fp8(act.gelu_fwd(x, scale=scale, fp8_dtype=E4M3)[1]),),
          5),
-        ("gelu_bwd_cast_transpose (dbias)", lambda: act.gelu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2], 6),
-        ("relu_bwd_cast_transpose (dbias)", lambda: act.relu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2], 6),
         ("swiglu_bwd_cast_transpose (dbias)", lambda: act.swiglu_bwd_cast_transpose(dy2, x2, scale, E5M2)[:2], 4),
     ]
+    configs = [(False, 64, 64, "as configured" if not act.BWD_SPLIT_TRANSPOSE else "one kernel 64x64")]
+    configs += [(True, bm, bn, f"split, tile {bm}x{bn}") for bm, bn in ((64, 64), (32, 128), (64, 128), (32, 256),
+                                                                          (16, 512))]
+    saved = (act.BWD_SPLIT_TRANSPOSE, act.BWD_BLOCK_M, act.BWD_BLOCK_N)
     for name, run, bytes_per_elem in cases:
         ok = _same_bits(run)
         ms = time_fn(run, warmup=5, iters=20)
         # minimum traffic per [m, n] element: bf16 reads 2 B each, FP8 writes 1 B each
         rows.append({"kernel": name, "bits ok": ok, "us": ms * 1e3, "TB/s": m * n * bytes_per_elem / ms / 1e9})
+    for split, bm, bn, label in configs:
+        act.BWD_SPLIT_TRANSPOSE, act.BWD_BLOCK_M, act.BWD_BLOCK_N = split, bm, bn
+        for fn_name in ("gelu", "relu"):
+            bwd = getattr(act, f"{fn_name}_bwd_cast_transpose")
+            run = lambda: bwd(dy, x, scale, E5M2, amax)[:2]  # noqa: E731
+            ok = _same_bits(run)
+            ms = time_fn(run, warmup=5, iters=20)
+            rows.append({"kernel": f"{fn_name}_bwd_cast_transpose (dbias), {label}", "bits ok": ok, "us": ms * 1e3,
+                         "TB/s": m * n * 6 / ms / 1e9})
+    act.BWD_SPLIT_TRANSPOSE, act.BWD_BLOCK_M, act.BWD_BLOCK_N = saved
     print_table(rows)
 
 

@@ -31,6 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .cast import transpose_fp8
 from ._common import (
     _abs_max,
     _quantize,
@@ -70,23 +71,74 @@ __all__ = [
 _GELU, _RELU, _SWIGLU = 0, 1, 2
 _K = math.sqrt(2.0 / math.pi)
 _C = 0.044715
-#: Forward tile (rows x cols of the output): 4096 elements per program, 32 per thread at 4 warps; 256 columns give
-#: 512-byte bf16 row segments. Not tuned; the ANCHORS cast used 8192 elements per program.
+#: Forward of GELU / ReLU: a flat elementwise kernel, FWD_BLOCK elements per program (the cast kernel's block,
+#: cast.CAST_BLOCK). SwiGLU reads two halves of a row, so it runs on FWD_BLOCK_M x FWD_BLOCK_N output tiles.
+FWD_BLOCK = 8192
 FWD_BLOCK_M = 16
 FWD_BLOCK_N = 256
 #: Backward tile: the cast-transpose tile of cast.py (64 x 64, 4 warps).
 BWD_BLOCK_M = 64
 BWD_BLOCK_N = 64
+#: Backward of GELU / ReLU in two kernels: the tile kernel writes only the row-major FP8 (hardware conversion on
+#: GPU), then ``cast.transpose_fp8`` makes the transposed copy. False: one kernel writes both copies (emulated
+#: conversion in the transposed store, see ``emulate_fp8_cvt``).
+BWD_SPLIT_TRANSPOSE = False
+
+
+@triton.jit
+def _sigmoid(x):
+    """1 / (1 + exp(-x)) with the fast division (``tl.fdiv``, not IEEE-rounded: an ulp or two in fp32, inside
+    the tests' tolerance for transcendental math); tl.sigmoid's IEEE division costs several instructions."""
+    return tl.fdiv(1.0, 1.0 + tl.exp(-x))
 
 
 @triton.jit
 def _gelu_tanh(x):
-    return x * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
+    return x * _sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
 
 
 @triton.jit
-def _act_fwd_kernel(
-    x_ptr,  # [M, N] input ([M, 2N] = [gate | up] for SwiGLU), row-major, high precision
+def _act_fwd_flat_kernel(
+    x_ptr,  # [n] input, high precision, contiguous
+    y_ptr,  # [n] high-precision output in x's dtype; only if WRITE_HP
+    y8_ptr,  # [n] FP8 bits (uint8); only if WRITE_FP8
+    scale_ptr,  # [1] fp32 FP8 scale; only if WRITE_FP8
+    scale_inv_ptr,  # [1] fp32, receives 1/scale; only if WRITE_FP8
+    amax_ptr,  # [1] fp32, atomic max of |y|; only if HAS_AMAX
+    n,
+    ACT: tl.constexpr,  # _GELU or _RELU
+    WRITE_HP: tl.constexpr,
+    WRITE_FP8: tl.constexpr,
+    HAS_AMAX: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    EMULATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        y = _gelu_tanh(x)
+    else:
+        y = tl.where(x < 0.0, 0.0, x)
+    if WRITE_HP:
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if WRITE_FP8:
+        scale = tl.load(scale_ptr)
+        tl.store(y8_ptr + offs, _quantize(y, scale, FP8_MAX, IS_E4M3, EMULATE), mask=mask)
+        if HAS_AMAX:
+            a = tl.abs(y)
+            a = tl.where(a != a, float("inf"), a)  # NaN counts as +inf
+            tl.atomic_max(amax_ptr, tl.max(tl.where(mask, a, 0.0), axis=0))
+        if pid == 0:
+            _write_scale_inv(scale, scale_inv_ptr)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    x_ptr,  # [M, 2N] input = [gate | up], row-major, high precision
     y_ptr,  # [M, N] high-precision output in x's dtype; only if WRITE_HP
     y8_ptr,  # [M, N] FP8 bits (uint8); only if WRITE_FP8
     scale_ptr,  # [1] fp32 FP8 scale; only if WRITE_FP8
@@ -94,7 +146,6 @@ def _act_fwd_kernel(
     amax_ptr,  # [1] fp32, atomic max of |y|; only if HAS_AMAX
     M,
     N,
-    ACT: tl.constexpr,
     WRITE_HP: tl.constexpr,
     WRITE_FP8: tl.constexpr,
     HAS_AMAX: tl.constexpr,
@@ -110,16 +161,9 @@ def _act_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     rows = offs_m[:, None].to(tl.int64)
-    if ACT == 2:  # SwiGLU
-        g = tl.load(x_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = g * tl.sigmoid(g) * u
-    else:
-        x = tl.load(x_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            y = _gelu_tanh(x)
-        else:
-            y = tl.where(x < 0.0, 0.0, x)
+    g = tl.load(x_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = g * _sigmoid(g) * u
     if WRITE_HP:
         tl.store(y_ptr + rows * N + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if WRITE_FP8:
@@ -145,6 +189,7 @@ def _act_bwd_kernel(
     N,
     ACT: tl.constexpr,
     IS_FP8: tl.constexpr,
+    WRITE_T: tl.constexpr,  # FP8 only: also write dx_t (else the launcher transposes dx afterwards)
     HAS_AMAX: tl.constexpr,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
@@ -166,13 +211,13 @@ def _act_bwd_kernel(
         part = dbias_part_ptr + pid_m.to(tl.int64) * (2 * N)
         g = tl.load(x_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
+        sig = _sigmoid(g)
         dg = dy * u * sig * (1.0 + g * (1.0 - sig))
         du = dy * g * sig
         _store_tile(dg, offs_m, offs_n, M, 2 * N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
-                    IS_FP8, IS_FP8)  # fmt: skip
+                    IS_FP8, WRITE_T)  # fmt: skip
         _store_tile(du, offs_m, offs_n + N, M, 2 * N, 2 * N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
-                    IS_FP8, IS_FP8)  # fmt: skip
+                    IS_FP8, WRITE_T)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dg, axis=0), mask=offs_n < N)
         tl.store(part + N + offs_n, tl.sum(du, axis=0), mask=offs_n < N)
         if HAS_AMAX:
@@ -181,12 +226,12 @@ def _act_bwd_kernel(
         part = dbias_part_ptr + pid_m.to(tl.int64) * N
         x = tl.load(x_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         if ACT == 0:
-            s = tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
+            s = _sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
             dx = dy * (s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x))
         else:
             dx = tl.where(x > 0.0, dy, 0.0)
         _store_tile(dx, offs_m, offs_n, M, N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
-                    IS_FP8, IS_FP8)  # fmt: skip
+                    IS_FP8, WRITE_T)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dx, axis=0), mask=offs_n < N)
         if HAS_AMAX:
             tl.atomic_max(amax_ptr, _abs_max(dx, mask))
@@ -217,19 +262,23 @@ def _act_fwd(x, act, scale, fp8_dtype, amax_out, return_hp, op):
         raise ValueError(f"{op}: SwiGLU needs an even last dim ([gate | up]), got {nc}")
     n = nc // 2 if act == _SWIGLU else nc
     out_shape = (*x.shape[:-1], n)
-    m = as_2d(x).shape[0]
     y = torch.empty(out_shape, dtype=x.dtype, device=x.device) if return_hp else None
     y8 = torch.empty(out_shape, dtype=fp8_dtype, device=x.device) if write_fp8 else None
     scale_inv = new_scale_inv(x.device) if write_fp8 else None
     dummy = scale_inv if write_fp8 else y
-    grid = (max(1, triton.cdiv(m, FWD_BLOCK_M)), max(1, triton.cdiv(n, FWD_BLOCK_N)))
-    _act_fwd_kernel[grid](
-        x, y if y is not None else dummy, y8.view(torch.uint8) if y8 is not None else dummy,
-        scale if write_fp8 else dummy, scale_inv if write_fp8 else dummy,
-        amax_out if amax_out is not None else dummy, m, n,
-        ACT=act, WRITE_HP=return_hp, WRITE_FP8=write_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max,
-        IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(), BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N,
-    )  # fmt: skip
+    ptrs = (x, y if y is not None else dummy, y8.view(torch.uint8) if y8 is not None else dummy,
+            scale if write_fp8 else dummy, scale_inv if write_fp8 else dummy,
+            amax_out if amax_out is not None else dummy)
+    flags = dict(WRITE_HP=return_hp, WRITE_FP8=write_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max,
+                 IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt())
+    if act == _SWIGLU:
+        m = as_2d(x).shape[0]
+        grid = (max(1, triton.cdiv(m, FWD_BLOCK_M)), max(1, triton.cdiv(n, FWD_BLOCK_N)))
+        _swiglu_fwd_kernel[grid](*ptrs, m, n, BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, **flags)
+    else:
+        numel = x.numel()
+        _act_fwd_flat_kernel[(max(1, triton.cdiv(numel, FWD_BLOCK)),)](*ptrs, numel, ACT=act, BLOCK=FWD_BLOCK,
+                                                                       **flags)
     return y, y8, scale_inv
 
 
@@ -248,20 +297,24 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
         raise ValueError(f"{op}: scale given without fp8_dtype")
     fp8_max, is_e4m3 = _check_fp8_args(x, scale, fp8_dtype, amax_out, op, False)
     is_fp8 = scale is not None
+    split = is_fp8 and BWD_SPLIT_TRANSPOSE and act != _SWIGLU
     m = as_2d(x).shape[0]
     dx = torch.empty(x.shape, dtype=fp8_dtype if is_fp8 else dy.dtype, device=x.device)
-    dx_t = torch.empty((nc, m), dtype=fp8_dtype, device=x.device) if is_fp8 else None
+    dx_t = torch.empty((nc, m), dtype=fp8_dtype, device=x.device) if is_fp8 and not split else None
     scale_inv = new_scale_inv(x.device) if is_fp8 else None
     grid_m = max(1, triton.cdiv(m, BWD_BLOCK_M))
     parts = torch.empty((grid_m, nc), dtype=torch.float32, device=x.device)
     grid = (grid_m, max(1, triton.cdiv(n, BWD_BLOCK_N)))
     _act_bwd_kernel[grid](
-        dy, x, dx.view(torch.uint8) if is_fp8 else dx, dx_t.view(torch.uint8) if is_fp8 else dx,
+        dy, x, dx.view(torch.uint8) if is_fp8 else dx, dx_t.view(torch.uint8) if dx_t is not None else parts,
         scale if is_fp8 else parts, scale_inv if is_fp8 else parts, amax_out if amax_out is not None else parts,
         parts, m, n,
-        ACT=act, IS_FP8=is_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
-        EMULATE=emulate_fp8_cvt(tiled_transpose=True), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=4,
+        ACT=act, IS_FP8=is_fp8, WRITE_T=not split, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max,
+        IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(tiled_transpose=not split), BLOCK_M=BWD_BLOCK_M,
+        BLOCK_N=BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
+    if split:
+        dx_t = transpose_fp8(dx)
     dbias = sum_partials(parts[: triton.cdiv(m, BWD_BLOCK_M)], dy.dtype)
     return dx, dx_t, scale_inv, dbias
 
