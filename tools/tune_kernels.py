@@ -1,10 +1,10 @@
-"""Activation kernels, the QKV-gradient gather, host cost per launch (CUDA only).
+"""Activation kernels, the QKV-gradient gather, the grouped weight cast, host cost per launch (CUDA only).
 
 A measurement tool, not a benchmark of record: each kernel is first checked bit-exact against the same
 kernel with the exact FP8 emulation (FP8ENGINE_EMULATE_FP8_CVT=1), then timed with CUDA events (median of 20 after
 warm-up) at the layer's shapes (8192 x 16384 bf16 for the MLP activation, SDPA-layout dq/dk/dv for 32 heads of 128).
 
-Usage: python tools/tune_kernels.py [--only act|qkv|host]
+Usage: python tools/tune_kernels.py [--only act|qkv|weights|host]
 """
 import argparse
 import os
@@ -12,13 +12,13 @@ import time
 
 import torch
 
-from fp8engine.bench.common import print_table, time_fn
+from fp8engine.bench.common import print_table, time_back_to_back, time_fn
 from fp8engine.kernels import activation as act
 from fp8engine.kernels import cast
 from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
 
 p = argparse.ArgumentParser()
-p.add_argument("--only", default=None, choices=["act", "qkv", "host"])
+p.add_argument("--only", default=None, choices=["act", "qkv", "weights", "host"])
 p.add_argument("--m", type=int, default=8192)
 p.add_argument("--n", type=int, default=16384)
 args = p.parse_args()
@@ -56,20 +56,22 @@ def sweep_activation():
     configs += [(True, bm, bn, f"split, tile {bm}x{bn}") for bm, bn in ((64, 64), (32, 128), (64, 128), (32, 256),
                                                                           (16, 512))]
     saved = (act.BWD_SPLIT_TRANSPOSE, act.BWD_BLOCK_M, act.BWD_BLOCK_N)
-    for name, run, bytes_per_elem in cases:
+
+    def timed(name, run, bytes_per_elem):
         ok = _same_bits(run)
         ms = time_fn(run, warmup=5, iters=20)
+        b2b = time_back_to_back(run, steps=10, repeats=10)
         # minimum traffic per [m, n] element: bf16 reads 2 B each, FP8 writes 1 B each
-        rows.append({"kernel": name, "bits ok": ok, "us": ms * 1e3, "TB/s": m * n * bytes_per_elem / ms / 1e9})
+        rows.append({"kernel": name, "bits ok": ok, "us": ms * 1e3, "us back-to-back": b2b * 1e3,
+                     "TB/s back-to-back": m * n * bytes_per_elem / b2b / 1e9})
+
+    for name, run, bytes_per_elem in cases:
+        timed(name, run, bytes_per_elem)
     for split, bm, bn, label in configs:
         act.BWD_SPLIT_TRANSPOSE, act.BWD_BLOCK_M, act.BWD_BLOCK_N = split, bm, bn
         for fn_name in ("gelu", "relu"):
             bwd = getattr(act, f"{fn_name}_bwd_cast_transpose")
-            run = lambda: bwd(dy, x, scale, E5M2, amax)[:2]  # noqa: E731
-            ok = _same_bits(run)
-            ms = time_fn(run, warmup=5, iters=20)
-            rows.append({"kernel": f"{fn_name}_bwd_cast_transpose (dbias), {label}", "bits ok": ok, "us": ms * 1e3,
-                         "TB/s": m * n * 6 / ms / 1e9})
+            timed(f"{fn_name}_bwd_cast_transpose (dbias), {label}", lambda: bwd(dy, x, scale, E5M2, amax)[:2], 6)
     act.BWD_SPLIT_TRANSPOSE, act.BWD_BLOCK_M, act.BWD_BLOCK_N = saved
     print_table(rows)
 
@@ -94,6 +96,31 @@ def sweep_qkv():
         {"kernel": "cast_transpose_dbias, contiguous [T, C]", "bits ok": "", "us": ms_flat * 1e3,
          "TB/s": gb * 4 / ms_flat},
     ])
+
+
+def sweep_weights():
+    """The layer's four weights cast-transposed: one grouped launch vs one launch per weight."""
+    shapes = [(12288, 4096), (4096, 4096), (16384, 4096), (4096, 16384)]
+    ws = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    scales = [torch.tensor([448.0 / 8], device="cuda") for _ in ws]
+    amaxes = [torch.zeros(1, device="cuda") for _ in ws]
+    gb = sum(a * b for a, b in shapes) * 4 / 1e9  # 2 B read + 2 x 1 B written per element
+    cases = {
+        "grouped_cast_transpose (one launch)": lambda: cast.grouped_cast_transpose(ws, scales, E4M3, amaxes),
+        "cast_to_fp8(transpose=True) x 4": lambda: [cast.cast_to_fp8(w, s, E4M3, a, transpose=True)
+                                                    for w, s, a in zip(ws, scales, amaxes)],
+    }
+    grouped = cast.grouped_cast_transpose(ws, scales, E4M3, amaxes)
+    ok = all(torch.equal(g[0].view(torch.uint8), r[0].view(torch.uint8)) and
+             torch.equal(g[1].view(torch.uint8), r[1].view(torch.uint8))
+             for g, r in zip(grouped, cases["cast_to_fp8(transpose=True) x 4"]()))
+    rows = []
+    for name, fn in cases.items():
+        ms = time_fn(fn, warmup=5, iters=20)
+        b2b = time_back_to_back(fn, steps=10, repeats=10)
+        rows.append({"kernel": name, "bits equal": ok, "us": ms * 1e3, "us back-to-back": b2b * 1e3,
+                     "TB/s back-to-back": gb / b2b})
+    print_table(rows)
 
 
 def host_cost():
@@ -131,5 +158,7 @@ if args.only in (None, "act"):
     sweep_activation()
 if args.only in (None, "qkv"):
     sweep_qkv()
+if args.only in (None, "weights"):
+    sweep_weights()
 if args.only in (None, "host"):
     host_cost()
