@@ -35,8 +35,8 @@ def _same_bits(run):
 
 
 def sweep_activation():
-    """The activation kernels at the MLP's shape: as configured (fp8engine/kernels/activation.py), then the backward
-    in other configurations (one kernel writing both FP8 copies vs row-major kernel + byte transpose; tiles)."""
+    """The activation kernels as configured (fp8engine/kernels/activation.py) at the MLP's shape, next to a plain
+    cast of the same size (the memory floor of a 2 B read + 1 B write pass)."""
     m, n = args.m, args.n
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -50,12 +50,10 @@ def sweep_activation():
         ("gelu_fwd (fp8 out)", lambda: act.gelu_fwd(x, scale=scale, fp8_dtype=E4M3, amax_out=amax)[1:2], 3),
         ("gelu_fwd + transpose_fp8", lambda: (cast.transpose_fp8(act.gelu_fwd(x, scale=scale, fp8_dtype=E4M3)[1]),),
          5),
+        ("gelu_bwd_cast_transpose (dbias)", lambda: act.gelu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2], 6),
+        ("relu_bwd_cast_transpose (dbias)", lambda: act.relu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2], 6),
         ("swiglu_bwd_cast_transpose (dbias)", lambda: act.swiglu_bwd_cast_transpose(dy2, x2, scale, E5M2)[:2], 4),
     ]
-    configs = [(False, 64, 64, "as configured" if not act.BWD_SPLIT_TRANSPOSE else "one kernel 64x64")]
-    configs += [(True, bm, bn, f"split, tile {bm}x{bn}") for bm, bn in ((64, 64), (32, 128), (64, 128), (32, 256),
-                                                                          (16, 512))]
-    saved = (act.BWD_SPLIT_TRANSPOSE, act.BWD_BLOCK_M, act.BWD_BLOCK_N)
 
     def timed(name, run, bytes_per_elem):
         ok = _same_bits(run)
@@ -67,12 +65,6 @@ def sweep_activation():
 
     for name, run, bytes_per_elem in cases:
         timed(name, run, bytes_per_elem)
-    for split, bm, bn, label in configs:
-        act.BWD_SPLIT_TRANSPOSE, act.BWD_BLOCK_M, act.BWD_BLOCK_N = split, bm, bn
-        for fn_name in ("gelu", "relu"):
-            bwd = getattr(act, f"{fn_name}_bwd_cast_transpose")
-            timed(f"{fn_name}_bwd_cast_transpose (dbias), {label}", lambda: bwd(dy, x, scale, E5M2, amax)[:2], 6)
-    act.BWD_SPLIT_TRANSPOSE, act.BWD_BLOCK_M, act.BWD_BLOCK_N = saved
     print_table(rows)
 
 

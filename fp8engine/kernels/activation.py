@@ -31,7 +31,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .cast import transpose_fp8
 from ._common import (
     _abs_max,
     _quantize,
@@ -79,10 +78,6 @@ FWD_BLOCK_N = 256
 #: Backward tile: the cast-transpose tile of cast.py (64 x 64, 4 warps).
 BWD_BLOCK_M = 64
 BWD_BLOCK_N = 64
-#: Backward of GELU / ReLU in two kernels: the tile kernel writes only the row-major FP8 (hardware conversion on
-#: GPU), then ``cast.transpose_fp8`` makes the transposed copy. False: one kernel writes both copies (emulated
-#: conversion in the transposed store, see ``emulate_fp8_cvt``).
-BWD_SPLIT_TRANSPOSE = False
 
 
 @triton.jit
@@ -189,7 +184,6 @@ def _act_bwd_kernel(
     N,
     ACT: tl.constexpr,
     IS_FP8: tl.constexpr,
-    WRITE_T: tl.constexpr,  # FP8 only: also write dx_t (else the launcher transposes dx afterwards)
     HAS_AMAX: tl.constexpr,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
@@ -215,9 +209,9 @@ def _act_bwd_kernel(
         dg = dy * u * sig * (1.0 + g * (1.0 - sig))
         du = dy * g * sig
         _store_tile(dg, offs_m, offs_n, M, 2 * N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
-                    IS_FP8, WRITE_T)  # fmt: skip
+                    IS_FP8, IS_FP8)  # fmt: skip
         _store_tile(du, offs_m, offs_n + N, M, 2 * N, 2 * N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
-                    IS_FP8, WRITE_T)  # fmt: skip
+                    IS_FP8, IS_FP8)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dg, axis=0), mask=offs_n < N)
         tl.store(part + N + offs_n, tl.sum(du, axis=0), mask=offs_n < N)
         if HAS_AMAX:
@@ -231,7 +225,7 @@ def _act_bwd_kernel(
         else:
             dx = tl.where(x > 0.0, dy, 0.0)
         _store_tile(dx, offs_m, offs_n, M, N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
-                    IS_FP8, WRITE_T)  # fmt: skip
+                    IS_FP8, IS_FP8)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dx, axis=0), mask=offs_n < N)
         if HAS_AMAX:
             tl.atomic_max(amax_ptr, _abs_max(dx, mask))
@@ -297,24 +291,20 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
         raise ValueError(f"{op}: scale given without fp8_dtype")
     fp8_max, is_e4m3 = _check_fp8_args(x, scale, fp8_dtype, amax_out, op, False)
     is_fp8 = scale is not None
-    split = is_fp8 and BWD_SPLIT_TRANSPOSE and act != _SWIGLU
     m = as_2d(x).shape[0]
     dx = torch.empty(x.shape, dtype=fp8_dtype if is_fp8 else dy.dtype, device=x.device)
-    dx_t = torch.empty((nc, m), dtype=fp8_dtype, device=x.device) if is_fp8 and not split else None
+    dx_t = torch.empty((nc, m), dtype=fp8_dtype, device=x.device) if is_fp8 else None
     scale_inv = new_scale_inv(x.device) if is_fp8 else None
     grid_m = max(1, triton.cdiv(m, BWD_BLOCK_M))
     parts = torch.empty((grid_m, nc), dtype=torch.float32, device=x.device)
     grid = (grid_m, max(1, triton.cdiv(n, BWD_BLOCK_N)))
     _act_bwd_kernel[grid](
-        dy, x, dx.view(torch.uint8) if is_fp8 else dx, dx_t.view(torch.uint8) if dx_t is not None else parts,
+        dy, x, dx.view(torch.uint8) if is_fp8 else dx, dx_t.view(torch.uint8) if is_fp8 else dx,
         scale if is_fp8 else parts, scale_inv if is_fp8 else parts, amax_out if amax_out is not None else parts,
         parts, m, n,
-        ACT=act, IS_FP8=is_fp8, WRITE_T=not split, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max,
-        IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(tiled_transpose=not split), BLOCK_M=BWD_BLOCK_M,
-        BLOCK_N=BWD_BLOCK_N, num_warps=4,
+        ACT=act, IS_FP8=is_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
+        EMULATE=emulate_fp8_cvt(tiled_transpose=True), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
-    if split:
-        dx_t = transpose_fp8(dx)
     dbias = sum_partials(parts[: triton.cdiv(m, BWD_BLOCK_M)], dy.dtype)
     return dx, dx_t, scale_inv, dbias
 

@@ -138,26 +138,29 @@ def _cast_transpose_kernel(
         _write_scale_inv(scale, scale_inv_ptr)
 
 
-#: int64 fields per tensor in the grouped cast-transpose table: x pointer, scale pointer, amax pointer, M, N,
-#: byte offset of its FP8 data, byte offset of its transposed FP8 data, index of its first tile.
+#: int64 fields per tensor in the grouped cast-transpose table: x offset (elements from xs[0]), scale pointer, amax
+#: pointer, M, N, byte offset of its FP8 data, byte offset of its transposed FP8 data, index of its first tile.
 _GROUP_FIELDS = 8
 #: Byte alignment of each tensor's FP8 data inside the grouped outputs (torch._scaled_mm needs 16).
 _GROUP_ALIGN = 256
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+#: scale_inv slots are 16 bytes apart: cuBLASLt rejects scale pointers that are not 16-byte aligned.
+_SCALE_INV_STRIDE = 4
 
 
 @triton.jit
 def _grouped_cast_transpose_kernel(
     table_ptr,  # [T, _GROUP_FIELDS] int64, one row per tensor (see _GROUP_FIELDS)
+    x_ptr,  # xs[0]; tensor t starts at x_ptr + its x offset (same dtype, one address space)
     out_ptr,  # uint8 buffer: tensor t's [M, N] FP8 bits start at its data offset
     out_t_ptr,  # uint8 buffer: tensor t's [N, M] transposed FP8 bits start at its data_t offset
-    scale_inv_ptr,  # [T] fp32: 1 / scale of tensor t (written by its first tile)
+    scale_inv_ptr,  # [T * _SCALE_INV_STRIDE] fp32: 1 / scale of tensor t at t * _SCALE_INV_STRIDE (its first tile)
     T,
-    X_DTYPE: tl.constexpr,  # element type of every input
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
     EMULATE: tl.constexpr,
     HAS_AMAX: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every M, N a multiple of 16 and every x 16-byte aligned
+    VEC: tl.constexpr,  # elements per 16 bytes of x
     BLOCK_T: tl.constexpr,  # power of two >= T
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -167,22 +170,29 @@ def _grouped_cast_transpose_kernel(
     firsts = tl.load(table_ptr + ts * 8 + 7, mask=ts < T, other=2147483647)
     t = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1  # the tensor this tile belongs to
     row = table_ptr + t * 8
-    x_ptr = tl.load(row).to(tl.pointer_type(X_DTYPE))
+    x_off, M, N = tl.load(row), tl.load(row + 3), tl.load(row + 4)
+    out_off, out_t_off = tl.load(row + 5), tl.load(row + 6)
+    if ALIGNED:
+        # values read from memory carry no alignment facts; these exact identities give the compiler the multiples
+        # of 16 that the specialised cast-transpose kernel gets from its arguments (vectorised loads and stores)
+        x_off = (x_off // VEC) * VEC
+        M = (M // 16) * 16
+        N = (N // 16) * 16
+        out_off = (out_off // 16) * 16
+        out_t_off = (out_t_off // 16) * 16
     scale = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.float32)))
-    M = tl.load(row + 3)
-    N = tl.load(row + 4)
     tile = pid - tl.load(row + 7)
     grid_n = (N + BLOCK_N - 1) // BLOCK_N
     offs_m = (tile // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (tile % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    x = tl.load(x_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    _store_tile(x, offs_m, offs_n, M, N, N, out_ptr + tl.load(row + 5), out_t_ptr + tl.load(row + 6), scale,
+    x = tl.load(x_ptr + x_off + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    _store_tile(x, offs_m, offs_n, M, N, N, out_ptr + out_off, out_t_ptr + out_t_off, scale,
                 FP8_MAX, IS_E4M3, EMULATE, True, True)  # fmt: skip
     if HAS_AMAX:
         tl.atomic_max(tl.load(row + 2).to(tl.pointer_type(tl.float32)), _abs_max(x, mask))
     if tile == 0:
-        _write_scale_inv(scale, scale_inv_ptr + t)
+        _write_scale_inv(scale, scale_inv_ptr + t * 4)  # 4 = _SCALE_INV_STRIDE
 
 
 #: Tile of the FP8 byte transpose: 64 x 128 bytes per program, the cast-transpose tile (4 warps).
@@ -357,8 +367,8 @@ def grouped_cast_transpose(
 
     Returns:
         ``[(data [M_i, N_i], data_t [N_i, M_i], scale_inv [1]), ...]``: the same bits as ``cast_to_fp8``. The data
-        of all tensors are views of one buffer (so are the transposes, and the scale_invs), each 256-byte aligned:
-        a buffer is freed when none of its views is left.
+        of all tensors are views of one buffer, each 256-byte aligned (so are the transposes, and the scale_invs,
+        16-byte aligned): a buffer is freed when none of its views is left.
 
     Raises:
         ValueError: empty or unequal lists, an input that is not 2-D and contiguous, mixed devices.
@@ -370,6 +380,7 @@ def grouped_cast_transpose(
     fp8_max, is_e4m3 = fp8_format(fp8_dtype, op)
     dtype, device = xs[0].dtype, xs[0].device
     fields, tiles, offset = [], 0, 0
+    elem = xs[0].element_size()
     for i, x in enumerate(xs):
         check_launchable(x, op)
         check_hp(x, f"xs[{i}]", op)
@@ -381,24 +392,27 @@ def grouped_cast_transpose(
         amax = amax_outs[i] if amax_outs is not None else scales[i]
         check_scalar_f32(amax, f"amax_outs[{i}]", device, op)
         m, n = x.shape
-        fields.append((x.data_ptr(), scales[i].data_ptr(), amax.data_ptr(), m, n, offset, offset, tiles))
+        x_off = (x.data_ptr() - xs[0].data_ptr()) // elem  # exact: same dtype, element-aligned allocations
+        fields.append((x_off, scales[i].data_ptr(), amax.data_ptr(), m, n, offset, offset, tiles))
         tiles += triton.cdiv(m, TILE_M) * triton.cdiv(n, TILE_N)
         offset += triton.cdiv(m * n, _GROUP_ALIGN) * _GROUP_ALIGN
+    aligned = all(x.data_ptr() % 16 == 0 and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0 for x in xs)
     table = device_table(tuple(fields), torch.int64, device)
     out = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
     out_t = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
-    scale_inv = torch.empty(len(xs), dtype=torch.float32, device=device)
+    scale_inv = torch.empty(len(xs) * _SCALE_INV_STRIDE, dtype=torch.float32, device=device)
     if tiles:
         _grouped_cast_transpose_kernel[(tiles,)](
-            table, out, out_t, scale_inv, len(xs), X_DTYPE=_TL_DTYPES[dtype], FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
+            table, xs[0], out, out_t, scale_inv, len(xs), FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
             EMULATE=emulate_fp8_cvt(tiled_transpose=not all(_hw_cvt_ok(x) for x in xs)),
-            HAS_AMAX=amax_outs is not None, BLOCK_T=triton.next_power_of_2(len(xs)), BLOCK_M=TILE_M,
-            BLOCK_N=TILE_N, num_warps=TILE_WARPS,
+            HAS_AMAX=amax_outs is not None, ALIGNED=aligned, VEC=16 // elem, BLOCK_T=triton.next_power_of_2(len(xs)),
+            BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
         )  # fmt: skip
     results = []
     for i, (_, _, _, m, n, off, off_t, _) in enumerate(fields):
+        j = i * _SCALE_INV_STRIDE
         results.append((out[off:off + m * n].view(m, n).view(fp8_dtype),
-                        out_t[off_t:off_t + m * n].view(n, m).view(fp8_dtype), scale_inv[i:i + 1]))
+                        out_t[off_t:off_t + m * n].view(n, m).view(fp8_dtype), scale_inv[j:j + 1]))
     return results
 
 

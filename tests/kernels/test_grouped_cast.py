@@ -35,7 +35,8 @@ def test_grouped_matches_per_tensor_reference(device, fp8_dtype, dtype, shapes, 
         assert_fp8_equal(d, rd, fp8_dtype)
         assert_fp8_equal(dt, rdt, fp8_dtype)
         torch.testing.assert_close(si, rsi, rtol=0, atol=0)  # IEEE 1/scale on both sides
-        assert d.data_ptr() % 16 == 0 and dt.data_ptr() % 16 == 0  # torch._scaled_mm operands
+        # torch._scaled_mm / cuBLASLt need 16-byte aligned operands and scales
+        assert d.data_ptr() % 16 == 0 and dt.data_ptr() % 16 == 0 and si.data_ptr() % 16 == 0
     if with_amax:
         for a, ra in zip(amax, amax_ref):
             torch.testing.assert_close(a, ra, rtol=0, atol=0)  # max is exact
@@ -55,6 +56,12 @@ def test_grouped_reuses_its_table_and_follows_new_tensors(device):
     for (d, _, _), (rd, _, _) in zip(grouped_cast_transpose(ys, scales, fp8),
                                      grouped_cast_transpose_reference(ys, scales, fp8)):
         assert_fp8_equal(d, rd, fp8)
+    # tensors at lower addresses than xs[0] (negative offsets from the kernel's base pointer)
+    rev = xs[::-1]
+    for (d, dt, _), (rd, rdt, _) in zip(grouped_cast_transpose(rev, scales, fp8),
+                                        grouped_cast_transpose_reference(rev, scales, fp8)):
+        assert_fp8_equal(d, rd, fp8)
+        assert_fp8_equal(dt, rdt, fp8)
     # in-place update of the same storage (an optimizer step): the same table, the new values
     xs[0].mul_(2.0)
     d = grouped_cast_transpose(xs, scales, fp8)[0][0]
