@@ -130,6 +130,11 @@ def host_cost():
         "fe.quantize": lambda: fe.quantize(x, E4M3, scale, amax_out=amax),
         "fe.quantize(transpose=True)": lambda: fe.quantize(x, E4M3, scale, amax_out=amax, transpose=True),
     }
+    ws = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    cases["cast.grouped_cast_transpose (4 weights)"] = lambda: cast.grouped_cast_transpose(ws, [scale] * 4, E4M3,
+                                                                                           [amax] * 4)
+    cases["cast.cast_to_fp8(transpose=True) x 4"] = lambda: [cast.cast_to_fp8(w, scale, E4M3, amax, transpose=True)
+                                                             for w in ws]
     y8 = x.to(E4M3)
     rows = []
     for name, fn in cases.items():
