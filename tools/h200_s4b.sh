@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 69852cc (grouped weight cast; removed after batch d showed no gain).
 # Fourth session, batch b: GPU tests of the grouped weight cast (kernel and modules), kernel timings (back-to-back),
 # layer probe, bench layer (all rows, torchao carried) and bench cast; SM clock logged during the benches.
 export PYTHONUNBUFFERED=1

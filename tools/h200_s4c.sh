@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit c674ddf (grouped weight cast; removed after batch d showed no gain).
 # Fourth session, batch c: after the grouped-cast fixes (aligned scale_inv slots, alignment facts in the kernel):
 # GPU tests (cast kernels, activations, modules incl. the CUDA graph test), grouped vs per-weight cast timing, layer
 # probe, bench layer (all rows, torchao carried), bench cast, bench linear.

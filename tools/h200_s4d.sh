@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 5598412 (the A/B option of probe_layer was removed with the grouped weight cast afterwards).
 # Fourth session, batch d: module / graph GPU tests (cut short by the time limit in batch c), grouped weight cast
 # A/B in one process, host cost per launcher call.
 export PYTHONUNBUFFERED=1

@@ -32,8 +32,6 @@ p.add_argument("--iters", type=int, default=20)
 p.add_argument("--skip-gemm", action="store_true")
 p.add_argument("--skip-sdpa", action="store_true")
 p.add_argument("--host-profile", action="store_true", help="cProfile the host side of one step")
-p.add_argument("--ab-prefetch", action="store_true",
-               help="only compare the step with the grouped weight cast (prefetch_fp8_weights) on and off, ABAB")
 args = p.parse_args()
 s, b, h, f, heads = args.seq, args.batch, args.hidden, args.ffn, args.heads
 t = s * b
@@ -101,46 +99,6 @@ def sdpa_probe():
                                                                                          iters=args.iters)})
         except RuntimeError as e:
             rows.append({"backend": backend.name + " strided views", "fwd ms": str(e).splitlines()[0][:60]})
-    print_table(rows)
-
-
-def ab_prefetch():
-    """The FP8 step with the four weights cast in one grouped launch (A) vs one cast per module (B), alternated
-    four times in one process so GPU clock / thermal drift hits both alike."""
-    import fp8engine.modules.base as base
-    from fp8engine.bench.common import time_back_to_back
-
-    layer = TransformerLayer(h, f, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16,
-                             device="cuda")
-    x = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
-    params = list(layer.parameters())
-
-    def step():
-        x.grad = None
-        for prm in params:
-            prm.grad = None
-        with fe.autocast():
-            y = layer(x)
-        y.backward(dy)
-
-    grouped = base.cast_weights
-    rows = []
-    for rnd in range(4):
-        for name, fn in (("A grouped weight cast", grouped), ("B per-module weight casts", lambda *a: None)):
-            base.cast_weights = fn
-            host = []
-            for _ in range(3):
-                torch.cuda.synchronize()
-                torch.cuda._sleep(2_000_000_000)
-                t0 = time.perf_counter()
-                step()
-                host.append((time.perf_counter() - t0) * 1e3)
-                torch.cuda.synchronize()
-            rows.append({"round": rnd, "mode": name, "single ms": time_fn(step, warmup=3, iters=args.iters),
-                         "back-to-back ms": time_back_to_back(step, steps=5, repeats=5),
-                         "host issue ms": sorted(host)[1]})
-    base.cast_weights = grouped
     print_table(rows)
 
 
@@ -282,11 +240,8 @@ def gap_report(prof, steps: int, sequence: bool = False):
         print(f"  gap {g:8.1f} us  after {a:40s} before {b_}")
 
 
-if args.ab_prefetch:
-    ab_prefetch()
-else:
-    if not args.skip_gemm:
-        gemm_probe()
-    if not args.skip_sdpa:
-        sdpa_probe()
-    layer_probe()
+if not args.skip_gemm:
+    gemm_probe()
+if not args.skip_sdpa:
+    sdpa_probe()
+layer_probe()

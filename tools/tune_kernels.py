@@ -1,10 +1,10 @@
-"""Activation kernels, the QKV-gradient gather, the grouped weight cast, host cost per launch (CUDA only).
+"""Activation kernels, the QKV-gradient gather, host cost per launch (CUDA only).
 
 A measurement tool, not a benchmark of record: each kernel is first checked bit-exact against the same
 kernel with the exact FP8 emulation (FP8ENGINE_EMULATE_FP8_CVT=1), then timed with CUDA events (median of 20 after
 warm-up) at the layer's shapes (8192 x 16384 bf16 for the MLP activation, SDPA-layout dq/dk/dv for 32 heads of 128).
 
-Usage: python tools/tune_kernels.py [--only act|qkv|weights|host]
+Usage: python tools/tune_kernels.py [--only act|qkv|host]
 """
 import argparse
 import os
@@ -18,7 +18,7 @@ from fp8engine.kernels import cast
 from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
 
 p = argparse.ArgumentParser()
-p.add_argument("--only", default=None, choices=["act", "qkv", "weights", "host"])
+p.add_argument("--only", default=None, choices=["act", "qkv", "host"])
 p.add_argument("--m", type=int, default=8192)
 p.add_argument("--n", type=int, default=16384)
 args = p.parse_args()
@@ -90,31 +90,6 @@ def sweep_qkv():
     ])
 
 
-def sweep_weights():
-    """The layer's four weights cast-transposed: one grouped launch vs one launch per weight."""
-    shapes = [(12288, 4096), (4096, 4096), (16384, 4096), (4096, 16384)]
-    ws = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
-    scales = [torch.tensor([448.0 / 8], device="cuda") for _ in ws]
-    amaxes = [torch.zeros(1, device="cuda") for _ in ws]
-    gb = sum(a * b for a, b in shapes) * 4 / 1e9  # 2 B read + 2 x 1 B written per element
-    cases = {
-        "grouped_cast_transpose (one launch)": lambda: cast.grouped_cast_transpose(ws, scales, E4M3, amaxes),
-        "cast_to_fp8(transpose=True) x 4": lambda: [cast.cast_to_fp8(w, s, E4M3, a, transpose=True)
-                                                    for w, s, a in zip(ws, scales, amaxes)],
-    }
-    grouped = cast.grouped_cast_transpose(ws, scales, E4M3, amaxes)
-    ok = all(torch.equal(g[0].view(torch.uint8), r[0].view(torch.uint8)) and
-             torch.equal(g[1].view(torch.uint8), r[1].view(torch.uint8))
-             for g, r in zip(grouped, cases["cast_to_fp8(transpose=True) x 4"]()))
-    rows = []
-    for name, fn in cases.items():
-        ms = time_fn(fn, warmup=5, iters=20)
-        b2b = time_back_to_back(fn, steps=10, repeats=10)
-        rows.append({"kernel": name, "bits equal": ok, "us": ms * 1e3, "us back-to-back": b2b * 1e3,
-                     "TB/s back-to-back": gb / b2b})
-    print_table(rows)
-
-
 def host_cost():
     """Host microseconds per call (GPU kept busy by a sleep kernel so the host never waits)."""
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
@@ -130,11 +105,6 @@ def host_cost():
         "fe.quantize": lambda: fe.quantize(x, E4M3, scale, amax_out=amax),
         "fe.quantize(transpose=True)": lambda: fe.quantize(x, E4M3, scale, amax_out=amax, transpose=True),
     }
-    ws = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    cases["cast.grouped_cast_transpose (4 weights)"] = lambda: cast.grouped_cast_transpose(ws, [scale] * 4, E4M3,
-                                                                                           [amax] * 4)
-    cases["cast.cast_to_fp8(transpose=True) x 4"] = lambda: [cast.cast_to_fp8(w, scale, E4M3, amax, transpose=True)
-                                                             for w in ws]
     y8 = x.to(E4M3)
     rows = []
     for name, fn in cases.items():
@@ -155,7 +125,5 @@ if args.only in (None, "act"):
     sweep_activation()
 if args.only in (None, "qkv"):
     sweep_qkv()
-if args.only in (None, "weights"):
-    sweep_weights()
 if args.only in (None, "host"):
     host_cost()

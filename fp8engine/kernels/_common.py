@@ -130,26 +130,6 @@ def check_scalar_f32(t: torch.Tensor | None, name: str, device: torch.device, op
         raise ValueError(f"{op}: {name} is on {t.device} but the input is on {device}")
 
 
-#: Device tables of integers (pointers, sizes, offsets) by their values. Building one costs a host-to-device copy
-#: from pageable memory, which waits for the stream to drain (a host stall per call), so a table is built once per
-#: set of values and reused: the kernels that take tables (the scaling update, the grouped weight cast) see the
-#: same buffers every step. Bounded: a training loop uses a few sets.
-_DEVICE_TABLES: dict = {}
-_DEVICE_TABLES_MAX = 64
-
-
-def device_table(columns: tuple[tuple[int, ...], ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[len(columns), len(columns[0])]`` tensor of ``dtype`` on ``device`` holding ``columns`` (one tuple of ints
-    per row), cached by value (see ``_DEVICE_TABLES``)."""
-    key = (device, dtype, columns)
-    table = _DEVICE_TABLES.get(key)
-    if table is None:
-        if len(_DEVICE_TABLES) >= _DEVICE_TABLES_MAX:
-            _DEVICE_TABLES.clear()
-        table = _DEVICE_TABLES[key] = torch.tensor(columns, dtype=dtype).to(device)
-    return table
-
-
 def new_scale_inv(device: torch.device) -> torch.Tensor:
     """A fresh [1] fp32 buffer for scale_inv (never a view of the scale)."""
     return torch.empty(1, dtype=torch.float32, device=device)

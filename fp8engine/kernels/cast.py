@@ -10,9 +10,8 @@ Inputs: bf16 / fp16 / fp32, contiguous, any leading shape; viewed as [M, N] with
 ``history[row, 0:1]``) that receives ``atomic_max(amax_out, max(|x|))`` -- a larger existing value is kept; a NaN in
 x counts as +inf.
 
-Layers: ``@triton.jit`` kernels -> launchers ``cast_to_fp8`` / ``cast_transpose_dbias`` / ``compute_amax`` /
-``grouped_cast_transpose`` (checks, 2-D view, grid) and the plain-PyTorch ``*_reference`` functions with the same
-signatures and outputs.
+Layers: ``@triton.jit`` kernels -> launchers ``cast_to_fp8`` / ``cast_transpose_dbias`` / ``compute_amax`` (checks,
+2-D view, grid) and the plain-PyTorch ``*_reference`` functions with the same signatures and outputs.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from ._common import (
     check_hp,
     check_launchable,
     check_scalar_f32,
-    device_table,
     emulate_fp8_cvt,
     fp8_format,
     new_scale_inv,
@@ -48,8 +46,6 @@ __all__ = [
     "cast_transpose_dbias_reference",
     "compute_amax",
     "compute_amax_reference",
-    "grouped_cast_transpose",
-    "grouped_cast_transpose_reference",
     "transpose_fp8",
     "transpose_fp8_reference",
 ]
@@ -136,63 +132,6 @@ def _cast_transpose_kernel(
         tl.store(dbias_part_ptr + pid_m.to(tl.int64) * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
     if (pid_m == 0) & (pid_n == 0):
         _write_scale_inv(scale, scale_inv_ptr)
-
-
-#: int64 fields per tensor in the grouped cast-transpose table: x offset (elements from xs[0]), scale pointer, amax
-#: pointer, M, N, byte offset of its FP8 data, byte offset of its transposed FP8 data, index of its first tile.
-_GROUP_FIELDS = 8
-#: Byte alignment of each tensor's FP8 data inside the grouped outputs (torch._scaled_mm needs 16).
-_GROUP_ALIGN = 256
-#: scale_inv slots are 16 bytes apart: cuBLASLt rejects scale pointers that are not 16-byte aligned.
-_SCALE_INV_STRIDE = 4
-
-
-@triton.jit
-def _grouped_cast_transpose_kernel(
-    table_ptr,  # [T, _GROUP_FIELDS] int64, one row per tensor (see _GROUP_FIELDS)
-    x_ptr,  # xs[0]; tensor t starts at x_ptr + its x offset (same dtype, one address space)
-    out_ptr,  # uint8 buffer: tensor t's [M, N] FP8 bits start at its data offset
-    out_t_ptr,  # uint8 buffer: tensor t's [N, M] transposed FP8 bits start at its data_t offset
-    scale_inv_ptr,  # [T * _SCALE_INV_STRIDE] fp32: 1 / scale of tensor t at t * _SCALE_INV_STRIDE (its first tile)
-    T,
-    FP8_MAX: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-    EMULATE: tl.constexpr,
-    HAS_AMAX: tl.constexpr,
-    ALIGNED: tl.constexpr,  # every M, N a multiple of 16 and every x 16-byte aligned
-    VEC: tl.constexpr,  # elements per 16 bytes of x
-    BLOCK_T: tl.constexpr,  # power of two >= T
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    ts = tl.arange(0, BLOCK_T)
-    firsts = tl.load(table_ptr + ts * 8 + 7, mask=ts < T, other=2147483647)
-    t = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1  # the tensor this tile belongs to
-    row = table_ptr + t * 8
-    x_off, M, N = tl.load(row), tl.load(row + 3), tl.load(row + 4)
-    out_off, out_t_off = tl.load(row + 5), tl.load(row + 6)
-    if ALIGNED:
-        # values read from memory carry no alignment facts; these exact identities give the compiler the multiples
-        # of 16 that the specialised cast-transpose kernel gets from its arguments (vectorised loads and stores)
-        x_off = (x_off // VEC) * VEC
-        M = (M // 16) * 16
-        N = (N // 16) * 16
-        out_off = (out_off // 16) * 16
-        out_t_off = (out_t_off // 16) * 16
-    scale = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.float32)))
-    tile = pid - tl.load(row + 7)
-    grid_n = (N + BLOCK_N - 1) // BLOCK_N
-    offs_m = (tile // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    x = tl.load(x_ptr + x_off + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    _store_tile(x, offs_m, offs_n, M, N, N, out_ptr + out_off, out_t_ptr + out_t_off, scale,
-                FP8_MAX, IS_E4M3, EMULATE, True, True)  # fmt: skip
-    if HAS_AMAX:
-        tl.atomic_max(tl.load(row + 2).to(tl.pointer_type(tl.float32)), _abs_max(x, mask))
-    if tile == 0:
-        _write_scale_inv(scale, scale_inv_ptr + t * 4)  # 4 = _SCALE_INV_STRIDE
 
 
 #: Tile of the FP8 byte transpose: 64 x 128 bytes per program, the cast-transpose tile (4 warps).
@@ -349,73 +288,6 @@ def compute_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
     )  # fmt: skip
 
 
-def grouped_cast_transpose(
-    xs: list[torch.Tensor],
-    scales: list[torch.Tensor],
-    fp8_dtype: torch.dtype,
-    amax_outs: list[torch.Tensor] | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``cast_to_fp8(x, scale, fp8_dtype, amax_out, transpose=True)`` for several 2-D tensors in one launch (a
-    layer's weights at the start of its forward: one launch instead of one per weight, and the GPU gets all of
-    that work at once).
-
-    Args:
-        xs: 2-D ``[M_i, N_i]`` contiguous tensors of one dtype (bf16 / fp16 / fp32) on one device.
-        scales: one [1] fp32 scale per tensor. amax_outs: None, or one [1] fp32 tensor per tensor (atomic max of
-            that tensor's max|x|, NaN -> +inf).
-        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2 (one for all).
-
-    Returns:
-        ``[(data [M_i, N_i], data_t [N_i, M_i], scale_inv [1]), ...]``: the same bits as ``cast_to_fp8``. The data
-        of all tensors are views of one buffer, each 256-byte aligned (so are the transposes, and the scale_invs,
-        16-byte aligned): a buffer is freed when none of its views is left.
-
-    Raises:
-        ValueError: empty or unequal lists, an input that is not 2-D and contiguous, mixed devices.
-        TypeError: mixed input dtypes, an unsupported dtype, a scale / amax_out that is not a 1-element fp32 tensor.
-    """
-    op = "grouped_cast_transpose"
-    if not xs or len(scales) != len(xs) or (amax_outs is not None and len(amax_outs) != len(xs)):
-        raise ValueError(f"{op}: need a non-empty list of tensors and one scale (and amax_out) per tensor")
-    fp8_max, is_e4m3 = fp8_format(fp8_dtype, op)
-    dtype, device = xs[0].dtype, xs[0].device
-    fields, tiles, offset = [], 0, 0
-    elem = xs[0].element_size()
-    for i, x in enumerate(xs):
-        check_launchable(x, op)
-        check_hp(x, f"xs[{i}]", op)
-        if x.dim() != 2 or x.dtype != dtype or x.device != device:
-            raise (TypeError if x.dtype != dtype else ValueError)(
-                f"{op}: xs[{i}] must be 2-D with the dtype and device of xs[0] ({dtype}, {device}); got "
-                f"{tuple(x.shape)} {x.dtype} on {x.device}")
-        check_scalar_f32(scales[i], f"scales[{i}]", device, op)
-        amax = amax_outs[i] if amax_outs is not None else scales[i]
-        check_scalar_f32(amax, f"amax_outs[{i}]", device, op)
-        m, n = x.shape
-        x_off = (x.data_ptr() - xs[0].data_ptr()) // elem  # exact: same dtype, element-aligned allocations
-        fields.append((x_off, scales[i].data_ptr(), amax.data_ptr(), m, n, offset, offset, tiles))
-        tiles += triton.cdiv(m, TILE_M) * triton.cdiv(n, TILE_N)
-        offset += triton.cdiv(m * n, _GROUP_ALIGN) * _GROUP_ALIGN
-    aligned = all(x.data_ptr() % 16 == 0 and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0 for x in xs)
-    table = device_table(tuple(fields), torch.int64, device)
-    out = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
-    out_t = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
-    scale_inv = torch.empty(len(xs) * _SCALE_INV_STRIDE, dtype=torch.float32, device=device)
-    if tiles:
-        _grouped_cast_transpose_kernel[(tiles,)](
-            table, xs[0], out, out_t, scale_inv, len(xs), FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
-            EMULATE=emulate_fp8_cvt(tiled_transpose=not all(_hw_cvt_ok(x) for x in xs)),
-            HAS_AMAX=amax_outs is not None, ALIGNED=aligned, VEC=16 // elem, BLOCK_T=triton.next_power_of_2(len(xs)),
-            BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
-        )  # fmt: skip
-    results = []
-    for i, (_, _, _, m, n, off, off_t, _) in enumerate(fields):
-        j = i * _SCALE_INV_STRIDE
-        results.append((out[off:off + m * n].view(m, n).view(fp8_dtype),
-                        out_t[off_t:off_t + m * n].view(n, m).view(fp8_dtype), scale_inv[j:j + 1]))
-    return results
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # References (plain PyTorch, no Triton)
 # ----------------------------------------------------------------------------------------------------------------
@@ -438,10 +310,3 @@ def cast_transpose_dbias_reference(grad, scale, fp8_dtype, amax_out=None):
 def compute_amax_reference(x, amax_out):
     """Plain-PyTorch ``compute_amax``."""
     atomic_max_reference(amax_out, amax_reference(x))
-
-
-def grouped_cast_transpose_reference(xs, scales, fp8_dtype, amax_outs=None):
-    """Plain-PyTorch ``grouped_cast_transpose``: ``cast_to_fp8_reference(..., transpose=True)`` per tensor."""
-    fp8_format(fp8_dtype, "grouped_cast_transpose_reference")
-    amax_outs = amax_outs if amax_outs is not None else [None] * len(xs)
-    return [cast_to_fp8_reference(x, s, fp8_dtype, a, transpose=True) for x, s, a in zip(xs, scales, amax_outs)]

@@ -14,8 +14,8 @@ the FP8 data and is written by the kernel that writes the bits.
 One launch for all tensors: the launcher packs the data_ptr()s of the histories / scales / fp8_maxes into int64
 device tensors; the kernel turns them back into pointers with ``.to(tl.pointer_type(tl.float32))``; one program per
 row. All histories must share L. ``update_scale`` is a Python bool or a 0-d / 1-element bool tensor on the device
-(read by the kernel, so no host sync). The pointer tables are built once per set of buffers (``_common.device_table``:
-a host-to-device copy the first time), so a call captured in a CUDA graph must have run once with the same buffers.
+(read by the kernel, so no host sync). The pointer tables are rebuilt per call (a small host-to-device copy), so the
+call is not CUDA-graph safe as is.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import itertools
 
 import torch
 
-from ._common import check_launchable, device_table, tl, triton
+from ._common import check_launchable, tl, triton
 
 __all__ = ["delayed_scaling_update", "delayed_scaling_update_reference"]
 
@@ -102,12 +102,24 @@ def _check(amax_histories, scales, fp8_maxes, algo, update_scale, op):
     return lengths.pop()
 
 
+#: Device pointer tables by the addresses they hold. Building them costs a host-to-device copy that waits for the
+#: stream to drain (it would stall the CPU once per step), so they are built once per set of buffers and reused.
+#: Bounded: a training loop touches one set (or a few, with several models).
+_POINTER_TABLES: dict = {}
+_POINTER_TABLES_MAX = 64
+
+
 def _pointer_tables(amax_histories, scales, fp8_maxes, rows, device):
-    """The kernel's int64 pointer tables and int32 row ends (cached per set of buffers: ``device_table``)."""
-    ptrs = device_table((tuple(t.data_ptr() for t in amax_histories), tuple(t.data_ptr() for t in scales),
-                         tuple(t.data_ptr() for t in fp8_maxes)), torch.int64, device)
-    ends = device_table((tuple(itertools.accumulate(rows)),), torch.int32, device)
-    return ptrs[0], ptrs[1], ptrs[2], ends[0]
+    key = (device, tuple(t.data_ptr() for t in amax_histories), tuple(t.data_ptr() for t in scales),
+           tuple(t.data_ptr() for t in fp8_maxes))
+    tables = _POINTER_TABLES.get(key)
+    if tables is None:
+        if len(_POINTER_TABLES) >= _POINTER_TABLES_MAX:
+            _POINTER_TABLES.clear()
+        host = [torch.tensor(list(k), dtype=torch.int64) for k in key[1:]]
+        host.append(torch.tensor(list(itertools.accumulate(rows)), dtype=torch.int32))
+        tables = _POINTER_TABLES[key] = tuple(t.to(device) for t in host)
+    return tables
 
 
 def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin, algo="max", update_scale=True):

@@ -20,7 +20,6 @@ from torch import nn
 
 from fp8engine.modules.layernorm_linear import (LayerNormLinear, check_choice, check_divisible, exit_row_parallel,
                                                 master_weight, no_init, shard, tp_size_rank)
-from fp8engine.modules.base import fp8_submodules, prefetch_fp8_weights
 from fp8engine.modules.linear import Linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS
 
@@ -236,23 +235,21 @@ class MultiheadAttention(nn.Module):
                              "attn_mask_type")
         else:
             attn_mask = None
-        # Under FP8 the QKV and projection weights are cast in one launch up front (prefetch_fp8_weights).
-        with prefetch_fp8_weights(fp8_submodules(self), is_first_microbatch):
-            q, k, v, s_in = self._qkv(hidden_states, is_first_microbatch)
-            if rotary_pos_emb is not None:
-                q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
-            cfg = self.config
-            # [s, b, n, d] -> [b, n, s, d]
-            q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-            dropout_p = self.attention_dropout if self.training else 0.0
-            tracked = self.rng_tracker is not None and dropout_p > 0
-            with self.rng_tracker.fork() if tracked else contextlib.nullcontext():
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                     is_causal=self._is_causal,
-                                                     enable_gqa=cfg.local_groups != cfg.local_heads)
-            s, b = ctx.shape[2], ctx.shape[0]
-            ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, cfg.local_heads * cfg.head_dim)
-            out = self.proj(ctx, is_first_microbatch=is_first_microbatch)
+        q, k, v, s_in = self._qkv(hidden_states, is_first_microbatch)
+        if rotary_pos_emb is not None:
+            q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
+        cfg = self.config
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        fork = self.rng_tracker.fork() if self.rng_tracker is not None and dropout_p > 0 else contextlib.nullcontext()
+        with fork:
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                 is_causal=self._is_causal,
+                                                 enable_gqa=cfg.local_groups != cfg.local_heads)
+        s, b = ctx.shape[2], ctx.shape[0]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, cfg.local_heads * cfg.head_dim)
+        out = self.proj(ctx, is_first_microbatch=is_first_microbatch)
         return (out, s_in) if return_norm_input else out
 
     def extra_repr(self) -> str:

@@ -219,10 +219,6 @@ class LayerNormLinear(FP8Module):
         b = torch.cat([getattr(self, n) for n in self._bias_names]) if self._bias_names else None
         return w, b
 
-    def fp8_weight_entries(self) -> list[tuple[str, torch.Tensor, str]]:
-        # unfused q/k/v parameters are concatenated in forward: that module casts its weight itself
-        return [("weight", getattr(self, self._weight_names[0]), "weight")] if len(self._weight_names) == 1 else []
-
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 qkv_split: Optional[tuple[int, int, int]] = None, *, residual: Optional[torch.Tensor] = None,
                 return_norm_input: bool = False):

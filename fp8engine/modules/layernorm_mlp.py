@@ -113,9 +113,6 @@ class LayerNormMLP(FP8Module):
             return linear_main_grad(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def fp8_weight_entries(self) -> list[tuple[str, torch.Tensor, str]]:
-        return [("fc1_weight", self.fc1_weight, "fc1_weight"), ("fc2_weight", self.fc2_weight, "fc2_weight")]
-
     def _fp8_forward(self, x, plan, fc2_bias, is_first_microbatch, residual):
         st, fuse = self.fp8_state, self.fuse_wgrad_accumulation
         ln, ln_fp8, s = input_norm(self, x, plan, _FC1_ROWS[0], residual)

@@ -67,8 +67,5 @@ class Linear(FP8Module):
         return fp8_linear(x, self.weight, bias, self.fp8_state, plan, w_fp8=w_fp8,
                           fuse_wgrad=self.fuse_wgrad_accumulation)
 
-    def fp8_weight_entries(self) -> list[tuple[str, torch.Tensor, str]]:
-        return [("weight", self.weight, "weight")]
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.attention import MultiheadAttention
-from fp8engine.modules.base import fp8_submodules, prefetch_fp8_weights
 from fp8engine.modules.layernorm_mlp import LayerNormMLP
 
 __all__ = ["TransformerLayer"]
@@ -88,10 +87,8 @@ class TransformerLayer(nn.Module):
         # The first residual add runs inside the MLP's norm kernel (it normalises hidden_states + attn and returns
         # the sum x); the gradients reaching hidden_states and x through the residual path are added inside the
         # two norms' backward kernels (return_norm_input), so only the last add is a separate kernel.
-        # Under FP8 the four GEMM weights are cast in one launch up front (prefetch_fp8_weights).
-        with prefetch_fp8_weights(fp8_submodules(self), is_first_microbatch):
-            attn, hidden_in = self.self_attention(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                                  is_first_microbatch=is_first_microbatch, return_norm_input=True)
-            mlp_out, x = self.layernorm_mlp(self._dropout(attn), is_first_microbatch=is_first_microbatch,
-                                            residual=hidden_in, return_norm_input=True)
+        attn, hidden_in = self.self_attention(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                              is_first_microbatch=is_first_microbatch, return_norm_input=True)
+        mlp_out, x = self.layernorm_mlp(self._dropout(attn), is_first_microbatch=is_first_microbatch,
+                                        residual=hidden_in, return_norm_input=True)
         return x + self._dropout(mlp_out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -19,7 +19,7 @@ from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize, q
 from fp8engine.fp8.state import ScalingState
 from fp8engine.recipe import DelayedScaling
 
-__all__ = ["FP8Plan", "begin_fp8", "cast_operand", "cast_weights", "cast_grad", "use_kernels", "kernel_scale"]
+__all__ = ["FP8Plan", "begin_fp8", "cast_operand", "cast_grad", "use_kernels", "kernel_scale"]
 
 
 @dataclass(frozen=True)
@@ -103,26 +103,6 @@ def cast_operand(x: torch.Tensor, state: ScalingState, row: int, plan: FP8Plan, 
         return quantize_current(x, fp8_dtype, transpose=transpose, amax=amax)
     amax_out = state.amax_history[row, 0:1] if (grad or plan.record_amax) else None
     return quantize(x, fp8_dtype, state.scale[row:row + 1], amax_out=amax_out, transpose=transpose)
-
-
-def cast_weights(weights: Sequence[torch.Tensor], rows: Sequence[tuple[ScalingState, int]],
-                 plan: FP8Plan) -> Optional[list[Float8Tensor]]:
-    """Cast several weights, each with its transposed copy, in one kernel launch (``grouped_cast_transpose``):
-    for every weight the bits, scale_inv and recorded amax of ``cast_operand(w, state, row, plan, transpose=True)``.
-
-    ``rows``: ``(state, row)`` of each weight. Returns None where the grouped kernel does not apply (fewer than two
-    weights, current scaling, tensors without kernels, mixed dtypes): the caller then casts them one by one.
-    """
-    if (len(weights) < 2 or not plan.delayed or len({w.dtype for w in weights}) != 1
-            or not all(use_kernels(w) for w in weights)):
-        return None
-    from fp8engine.kernels.cast import grouped_cast_transpose
-
-    weights = [w.contiguous() for w in weights]
-    scales = [st.scale[r:r + 1] for st, r in rows]
-    amax_outs = [st.amax_history[r, 0:1] for st, r in rows] if plan.record_amax else None
-    out = grouped_cast_transpose(weights, scales, plan.fwd_dtype, amax_outs)
-    return [Float8Tensor(data, scale_inv, w.dtype, data_t) for (data, data_t, scale_inv), w in zip(out, weights)]
 
 
 def cast_grad(dy: torch.Tensor, state: ScalingState, row: int, plan: FP8Plan, *, transpose: bool,

@@ -8,7 +8,6 @@ import torch
 
 import fp8engine
 from tests.conftest import sqnr
-from tests.ops._ops_test_utils import force_kernels  # noqa: F401  (fixture)
 from fp8engine.modules import RotaryEmbedding, TransformerLayer
 from fp8engine.modules.attention import AttentionConfig
 from test_attention import reference_attention
@@ -203,42 +202,3 @@ def _tp_worker(rank, world_size):
 @pytest.mark.slow
 def test_tensor_parallel_matches_unsharded():
     run_ranks(_tp_worker, 2)
-
-
-def _fp8_steps(layer, xs, g, microbatch=None):
-    """Two delayed-scaling steps (forward + backward); returns outputs, input grads, param grads, scaling state."""
-    outs = []
-    for i, x in enumerate(xs):
-        x = x.clone().requires_grad_()
-        with fp8engine.autocast(recipe=fp8engine.DelayedScaling(amax_history_len=4)):
-            y = layer(x, is_first_microbatch=None if microbatch is None else i == 0)
-        y.backward(g)
-        outs += [y.detach(), x.grad]
-    grads = {n: p.grad for n, p in layer.named_parameters()}
-    return outs, grads, {n: b.clone() for n, b in layer.named_buffers()}
-
-
-@pytest.mark.parametrize("microbatch", [None, True])
-def test_prefetched_weights_match_per_module_casts(force_kernels, monkeypatch, microbatch):
-    """TransformerLayer casts its four GEMM weights in one grouped launch (kernel path, run here under the Triton
-    interpreter): outputs, gradients, amax histories and scales equal those of per-module casts, bit for bit."""
-    import fp8engine.kernels.cast as kcast
-    import fp8engine.modules.base as base
-
-    force_kernels(True)
-    xs, g = [torch.randn(8, 2, H) for _ in range(2)], torch.randn(8, 2, H)
-    calls = []
-    grouped = kcast.grouped_cast_transpose
-    monkeypatch.setattr(kcast, "grouped_cast_transpose", lambda *a, **k: calls.append(len(a[0])) or grouped(*a, **k))
-    layer = _layer()
-    got = _fp8_steps(layer, xs, g, microbatch)
-    # one grouped launch of 4 weights per forward that casts (is_first_microbatch=False reuses the cache)
-    assert calls == ([4, 4] if microbatch is None else [4])
-    assert all(not m._weight_cache.prefetched for m in base.fp8_submodules(layer))  # nothing left for later calls
-    monkeypatch.setattr(base, "cast_weights", lambda *a: None)  # per-module casts
-    want = _fp8_steps(_layer(), xs, g, microbatch)
-    for a, b in zip(got[0], want[0]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for d_got, d_want in zip(got[1:], want[1:]):
-        for name in d_want:
-            torch.testing.assert_close(d_got[name], d_want[name], rtol=0, atol=0, msg=name)
