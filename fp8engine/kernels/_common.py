@@ -220,12 +220,23 @@ def _quantize(y, scale, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, EMULATE: t
 
 
 @triton.jit
-def _abs_max(y, mask):
-    """max(|y|) over a 2-D block as an fp32 scalar; masked-off lanes count 0, NaN counts +inf."""
+def _masked_abs(y, mask):
+    """|y| with NaN counted as +inf and masked-off lanes as 0 (what the amax of a block reduces)."""
     a = tl.abs(y)
     a = tl.where(a != a, float("inf"), a)
-    a = tl.where(mask, a, 0.0)
-    return tl.max(tl.max(a, axis=1), axis=0)
+    return tl.where(mask, a, 0.0)
+
+
+@triton.jit
+def _abs_max(y, mask):
+    """max(|y|) over a 2-D block as an fp32 scalar; masked-off lanes count 0, NaN counts +inf."""
+    return tl.max(tl.max(_masked_abs(y, mask), axis=1), axis=0)
+
+
+@triton.jit
+def _abs_max_flat(y, mask):
+    """max(|y|) over a 1-D block, as :func:`_abs_max`."""
+    return tl.max(_masked_abs(y, mask), axis=0)
 
 
 @triton.jit

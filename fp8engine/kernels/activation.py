@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ._common import (
     _abs_max,
+    _abs_max_flat,
     _quantize,
     _store_tile,
     _write_scale_inv,
@@ -125,9 +126,7 @@ def _act_fwd_flat_kernel(
         scale = tl.load(scale_ptr)
         tl.store(y8_ptr + offs, _quantize(y, scale, FP8_MAX, IS_E4M3, EMULATE), mask=mask)
         if HAS_AMAX:
-            a = tl.abs(y)
-            a = tl.where(a != a, float("inf"), a)  # NaN counts as +inf
-            tl.atomic_max(amax_ptr, tl.max(tl.where(mask, a, 0.0), axis=0))
+            tl.atomic_max(amax_ptr, _abs_max_flat(y, mask))  # NaN counts as +inf
         if pid == 0:
             _write_scale_inv(scale, scale_inv_ptr)
 

@@ -20,6 +20,7 @@ import torch
 
 from ._common import (
     _abs_max,
+    _abs_max_flat,
     _quantize,
     _store_tile,
     _write_scale_inv,
@@ -89,9 +90,7 @@ def _cast_kernel(
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_AMAX:
-        a = tl.abs(x)
-        a = tl.where(a != a, float("inf"), a)  # NaN counts as +inf
-        tl.atomic_max(amax_ptr, tl.max(tl.where(mask, a, 0.0), axis=0))
+        tl.atomic_max(amax_ptr, _abs_max_flat(x, mask))  # NaN counts as +inf
     if WRITE_OUT:
         scale = tl.load(scale_ptr)
         tl.store(out_ptr + offs, _quantize(x, scale, FP8_MAX, IS_E4M3, EMULATE), mask=mask)
