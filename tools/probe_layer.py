@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import fp8engine as fe
-from fp8engine.bench.common import print_table, time_fn
+from fp8engine.bench.common import print_table, time_back_to_back, time_fn
 from fp8engine.modules.transformer import TransformerLayer
 
 p = argparse.ArgumentParser()
@@ -160,14 +160,8 @@ def layer_probe():
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
     gap_report(prof, 5)
     n = 10
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(n):
-        step()
-    e1.record()
-    e1.synchronize()
-    print(f"back-to-back: {e0.elapsed_time(e1) / n:.3f} ms/step over {n} steps (no sync between steps)")
+    b2b = time_back_to_back(step, steps=n, repeats=1, warmup=0)
+    print(f"back-to-back: {b2b:.3f} ms/step over {n} steps (no sync between steps)")
     # one step after a sync, as time_fn runs it: the kernel sequence with the GPU idle time before each kernel
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
