@@ -48,6 +48,13 @@ def gemm_probe():
         w_t, dy_t, x_t = w.t().contiguous(), dy.t().contiguous(), x.t().contiguous()
         bf = torch.bfloat16
         mm = torch._scaled_mm
+        # rowwise dispatch (CUTLASS on sm90) with every row / column scale equal: tensorwise math, another kernel
+        ra, rb_n, rb_k = one.expand(t, 1).contiguous(), one.expand(1, n).contiguous(), one.expand(1, k).contiguous()
+        rw_k, rx_k = one.expand(n, 1).contiguous(), one.expand(k, 1).contiguous()
+        # operands spread over the whole FP8 range, as scaled activations are (power draw depends on the bits)
+        xf = (torch.randn(t, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        wf = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        dy4, dy4_t = dy.float().to(torch.float8_e4m3fn), dy_t.float().to(torch.float8_e4m3fn)
         cases = {
             "fprop as used (bias, fast)": lambda: mm(x, w.t(), one, one, bias=bias, out_dtype=bf, use_fast_accum=True),
             "fprop no bias (fast)": lambda: mm(x, w.t(), one, one, out_dtype=bf, use_fast_accum=True),
@@ -59,8 +66,24 @@ def gemm_probe():
             "wgrad fast acc": lambda: mm(dy_t, x_t.t(), one, one, out_dtype=bf, use_fast_accum=True),
             "wgrad fp32 out (main_grad)": lambda: mm(dy_t, x_t.t(), one, one, out_dtype=torch.float32),
             "wgrad swapped (dw^T = x^T dy)": lambda: mm(x_t, dy_t.t(), one, one, out_dtype=bf),
+            "fprop full-range data (bias, fast)": lambda: mm(xf, wf.t(), one, one, bias=bias, out_dtype=bf,
+                                                             use_fast_accum=True),
+            "fprop rowwise kernel (bias, fast)": lambda: mm(x, w.t(), ra, rb_n, bias=bias, out_dtype=bf,
+                                                            use_fast_accum=True),
+            "fprop rowwise kernel full-range": lambda: mm(xf, wf.t(), ra, rb_n, bias=bias, out_dtype=bf,
+                                                          use_fast_accum=True),
+            "dgrad rowwise kernel (e5m2 dy)": lambda: mm(dy, w_t.t(), ra, rb_k, out_dtype=bf),
+            "dgrad rowwise kernel (e4m3 dy)": lambda: mm(dy4, w_t.t(), ra, rb_k, out_dtype=bf),
+            "dgrad e4m3 dy tensorwise": lambda: mm(dy4, w_t.t(), one, one, out_dtype=bf),
+            "wgrad rowwise kernel (e5m2 dy)": lambda: mm(dy_t, x_t.t(), rw_k, rb_k, out_dtype=bf),
+            "wgrad rowwise kernel (e4m3 dy)": lambda: mm(dy4_t, x_t.t(), rw_k, rb_k, out_dtype=bf),
         }
         for case, fn in cases.items():
+            try:
+                fn()
+            except RuntimeError as e:
+                rows.append({"gemm": name, "case": case, "ms": str(e).splitlines()[0][:70]})
+                continue
             ms = time_fn(fn, warmup=5, iters=args.iters)
             rows.append({"gemm": name, "case": case, "ms": ms, "TFLOP/s": 2.0 * t * k * n / ms / 1e9})
     print_table(rows)
