@@ -50,7 +50,7 @@ def gemm_probe():
         mm = torch._scaled_mm
         # rowwise dispatch (CUTLASS on sm90) with every row / column scale equal: tensorwise math, another kernel
         ra, rb_n, rb_k = one.expand(t, 1).contiguous(), one.expand(1, n).contiguous(), one.expand(1, k).contiguous()
-        rw_k, rx_k = one.expand(n, 1).contiguous(), one.expand(k, 1).contiguous()
+        rw_k = one.expand(n, 1).contiguous()
         # operands spread over the whole FP8 range, as scaled activations are (power draw depends on the bits)
         xf = (torch.randn(t, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         wf = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
