@@ -1,0 +1,94 @@
+"""Host side of the FP8 layer step on CUDA (a measurement tool): synchronising calls inside a step (torch's sync
+debug mode), and the host microseconds of the single calls a step is made of (GPU kept busy by a sleep kernel).
+
+Usage: python tools/probe_host.py
+"""
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import fp8engine as fe
+from fp8engine.bench.common import print_table
+from fp8engine.modules.transformer import TransformerLayer
+
+s, b, h, f, heads = 2048, 4, 4096, 16384, 32
+layer = TransformerLayer(h, f, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16,
+                         device="cuda")
+x = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn_like(x)
+params = list(layer.parameters())
+
+
+def step():
+    x.grad = None
+    for prm in params:
+        prm.grad = None
+    with fe.autocast():
+        y = layer(x)
+    y.backward(dy)
+
+
+for _ in range(3):
+    step()
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("warn")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    step()
+torch.cuda.set_sync_debug_mode("default")
+torch.cuda.synchronize()
+print(f"synchronising calls in one step: {len(caught)}")
+for w in caught[:10]:
+    print("  ", str(w.message)[:120], f"{w.filename}:{w.lineno}")
+
+# host cost per call
+one = torch.ones((), device="cuda")
+xa = torch.randn(256, 256, device="cuda").to(torch.float8_e4m3fn)
+wb = torch.randn(256, 256, device="cuda").to(torch.float8_e4m3fn)
+bias = torch.zeros(256, device="cuda", dtype=torch.bfloat16)
+q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+small = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+
+
+class Ident(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+req = small.clone().requires_grad_()
+cases = {
+    "torch._scaled_mm (bias, bf16 out)": lambda: torch._scaled_mm(xa, wb.t(), one, one, bias=bias,
+                                                                   out_dtype=torch.bfloat16, use_fast_accum=True),
+    "torch._scaled_mm (fp32 out)": lambda: torch._scaled_mm(xa, wb.t(), one, one, out_dtype=torch.float32),
+    "F.scaled_dot_product_attention causal": lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+    "autograd.Function.apply (identity, grad)": lambda: Ident.apply(req),
+    "torch.empty_like": lambda: torch.empty_like(small),
+    "tensor.view(torch.uint8)": lambda: small.view(torch.uint8),
+    "tensor.reshape(-1, n)": lambda: small.reshape(-1, 64),
+    "small.add_(1)": lambda: small.add_(1),
+    "torch.cuda.current_device()": lambda: torch.cuda.current_device(),
+    "torch._C._cuda_getCurrentRawStream(0)": lambda: torch._C._cuda_getCurrentRawStream(0),
+}
+rows = []
+for name, fn in cases.items():
+    try:
+        for _ in range(20):
+            fn()
+    except Exception as e:  # a call this torch cannot run: say so in the table
+        rows.append({"call": name, "host us": f"error: {str(e).splitlines()[0][:60]}"})
+        continue
+    torch.cuda.synchronize()
+    torch.cuda._sleep(300_000_000)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        fn()
+    rows.append({"call": name, "host us": (time.perf_counter() - t0) / 200 * 1e6})
+    torch.cuda.synchronize()
+print_table(rows)
