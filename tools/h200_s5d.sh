@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at b6311f9; the direct launch path (kernels/_launch.py, probe_layer --ab-launch) was removed after it.
 # Fifth session, batch d: direct Triton launches (kernels/_launch.py): GPU tests of the kernels, host cost per call,
 # A/B of the layer step (direct vs kernel[grid], alternated rounds).
 export PYTHONUNBUFFERED=1

@@ -32,8 +32,6 @@ p.add_argument("--iters", type=int, default=20)
 p.add_argument("--skip-gemm", action="store_true")
 p.add_argument("--skip-sdpa", action="store_true")
 p.add_argument("--host-profile", action="store_true", help="cProfile the host side of one step")
-p.add_argument("--ab-launch", type=int, default=0, metavar="ROUNDS",
-               help="only compare direct Triton launches (kernels._launch) with kernel[grid](...), alternated rounds")
 args = p.parse_args()
 s, b, h, f, heads = args.seq, args.batch, args.hidden, args.ffn, args.heads
 t = s * b
@@ -259,47 +257,6 @@ def gap_report(prof, steps: int, sequence: bool = False):
         print(f"  gap {g:8.1f} us  after {a:40s} before {b_}")
 
 
-def ab_launch(rounds: int):
-    """Single-step / back-to-back ms and host issue time per step, with the direct launch path on and off."""
-    from fp8engine.kernels import _launch
-
-    layer = TransformerLayer(h, f, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16,
-                             device="cuda")
-    x = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
-    params = list(layer.parameters())
-
-    def step():
-        x.grad = None
-        for prm in params:
-            prm.grad = None
-        with fe.autocast():
-            y = layer(x)
-        y.backward(dy)
-
-    runtime, rows = _launch._RUNTIME, []
-    for r in range(rounds):
-        for name, rt in (("direct", runtime), ("kernel[grid]", None)):
-            _launch._RUNTIME = rt
-            single = time_fn(step, warmup=3, iters=args.iters)
-            b2b = time_back_to_back(step, steps=5, repeats=args.iters)
-            host = []
-            for _ in range(5):
-                torch.cuda.synchronize()
-                torch.cuda._sleep(1_000_000_000)
-                t0 = time.perf_counter()
-                step()
-                host.append((time.perf_counter() - t0) * 1e3)
-            torch.cuda.synchronize()
-            rows.append({"round": r, "launch": name, "single ms": single, "back-to-back ms": b2b,
-                         "host issue ms": sorted(host)[2]})
-    _launch._RUNTIME = runtime
-    print_table(rows)
-
-
-if args.ab_launch:
-    ab_launch(args.ab_launch)
-    raise SystemExit(0)
 if not args.skip_gemm:
     gemm_probe()
 if not args.skip_sdpa:

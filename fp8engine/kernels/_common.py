@@ -29,8 +29,6 @@ import os
 
 import torch
 
-from ._launch import launch
-
 try:
     import triton
     import triton.language as tl
@@ -315,5 +313,5 @@ def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
         return out.zero_()
     block_p, block_n = _reduce_blocks(n)
     grid = (triton.cdiv(n, block_n),)
-    launch(_sum_partials_kernel, grid, partials, out, p, n, BLOCK_P=block_p, BLOCK_N=block_n)
+    _sum_partials_kernel[grid](partials, out, p, n, BLOCK_P=block_p, BLOCK_N=block_n)
     return out

@@ -52,7 +52,6 @@ from ._common import (
     tl,
     triton,
 )
-from ._launch import launch
 
 __all__ = [
     "gelu_fwd",
@@ -269,11 +268,11 @@ def _act_fwd(x, act, scale, fp8_dtype, amax_out, return_hp, op):
     if act == _SWIGLU:
         m = as_2d(x).shape[0]
         grid = (max(1, triton.cdiv(m, FWD_BLOCK_M)), max(1, triton.cdiv(n, FWD_BLOCK_N)))
-        launch(_swiglu_fwd_kernel, grid, *ptrs, m, n, BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, **flags)
+        _swiglu_fwd_kernel[grid](*ptrs, m, n, BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, **flags)
     else:
         numel = x.numel()
-        launch(_act_fwd_flat_kernel, (max(1, triton.cdiv(numel, FWD_BLOCK)),), *ptrs, numel, ACT=act,
-               BLOCK=FWD_BLOCK, **flags)
+        _act_fwd_flat_kernel[(max(1, triton.cdiv(numel, FWD_BLOCK)),)](*ptrs, numel, ACT=act, BLOCK=FWD_BLOCK,
+                                                                       **flags)
     return y, y8, scale_inv
 
 
@@ -299,7 +298,7 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
     grid_m = max(1, triton.cdiv(m, BWD_BLOCK_M))
     parts = torch.empty((grid_m, nc), dtype=torch.float32, device=x.device)
     grid = (grid_m, max(1, triton.cdiv(n, BWD_BLOCK_N)))
-    launch(_act_bwd_kernel, grid,
+    _act_bwd_kernel[grid](
         dy, x, dx.view(torch.uint8) if is_fp8 else dx, dx_t.view(torch.uint8) if is_fp8 else dx,
         scale if is_fp8 else parts, scale_inv if is_fp8 else parts, amax_out if amax_out is not None else parts,
         parts, m, n,
