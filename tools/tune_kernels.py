@@ -34,6 +34,17 @@ def _same_bits(run):
     return all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _tiled_emulated(run):
+    """run with the tiled kernels' FP8 conversion switched from inline PTX to the integer emulation."""
+    def wrapped():
+        os.environ["FP8ENGINE_TILED_FP8_CVT"] = "emulate"
+        try:
+            return run()
+        finally:
+            os.environ.pop("FP8ENGINE_TILED_FP8_CVT")
+    return wrapped
+
+
 def sweep_activation():
     """The activation kernels as configured (fp8engine/kernels/activation.py) at the MLP's shape, next to a plain
     cast of the same size (the memory floor of a 2 B read + 1 B write pass)."""
@@ -53,6 +64,14 @@ def sweep_activation():
         ("gelu_bwd_cast_transpose (dbias)", lambda: act.gelu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2], 6),
         ("relu_bwd_cast_transpose (dbias)", lambda: act.relu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2], 6),
         ("swiglu_bwd_cast_transpose (dbias)", lambda: act.swiglu_bwd_cast_transpose(dy2, x2, scale, E5M2)[:2], 4),
+        ("gelu_bwd_cast_transpose, emulated conversion", _tiled_emulated(
+            lambda: act.gelu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2]), 6),
+        ("relu_bwd_cast_transpose, emulated conversion", _tiled_emulated(
+            lambda: act.relu_bwd_cast_transpose(dy, x, scale, E5M2, amax)[:2]), 6),
+        ("cast_to_fp8 transpose, fp32 input (inline PTX)", lambda: cast.cast_to_fp8(
+            dy.float(), scale, E4M3, amax, transpose=True)[:2], 6),
+        ("cast_to_fp8 transpose, fp32 input, emulated", _tiled_emulated(lambda: cast.cast_to_fp8(
+            dy.float(), scale, E4M3, amax, transpose=True)[:2]), 6),
     ]
 
     def timed(name, run, bytes_per_elem):

@@ -7,7 +7,7 @@ the high-precision range into the FP8 range; ``scale_inv = 1 / scale`` dequantiz
 
 FP8 conversion paths (``_fp32_to_fp8_bits``):
   * on a GPU the hardware conversion (``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` on sm_89+), round-to-nearest-even,
-    except in the tiled cast-transpose kernels, which use the emulation below (see ``emulate_fp8_cvt``);
+    except in tiled kernels that also write the transposed copy (last item; see ``fp8_cvt_mode``);
   * under ``TRITON_INTERPRET=1`` an exact integer emulation. The interpreter's own float->fp8 conversion (Triton
     3.9 ``interpreter._convert_float``) is NOT round-to-nearest-even: it adds the first cut-off bit (ties away from
     zero instead of to even), ORs a mantissa carry into the exponent instead of adding it (e.g. -0.12386 -> 0x98
@@ -15,6 +15,8 @@ FP8 conversion paths (``_fp32_to_fp8_bits``):
     inputs differed from torch, so the interpreter path never uses it. The emulation is bit-identical to torch on
     every finite input (tests/kernels/test_fp8_conversion.py sweeps all bf16/fp16 bit patterns and the rounding ties).
     Set ``FP8ENGINE_EMULATE_FP8_CVT=1`` to force the emulation on a GPU too (used by the tests to cross-check).
+  * in tiled kernels that also write the transposed copy, on a GPU: the same hardware instruction issued by inline
+    PTX (``CVT_PTX``, see ``fp8_cvt_mode``).
 
 NaN encoding: the emulation writes ``0x7f | sign`` (torch's encoding, both formats); the GPU hardware conversion
 may drop the NaN's sign. Compare NaN positions, not NaN bits.
@@ -70,21 +72,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def emulate_fp8_cvt(tiled_transpose: bool = False) -> bool:
-    """Use the exact integer FP8 conversion: always under the interpreter, in the tiled cast-transpose kernels when
-    the launcher asks (``tiled_transpose=True``, see below), elsewhere on GPU only when forced by
-    FP8ENGINE_EMULATE_FP8_CVT=1.
+#: How a kernel converts fp32 to FP8 bits (its ``CVT`` constexpr): Triton's conversion (``.to(tl.float8e4nv)``),
+#: the exact integer emulation, or the hardware instruction issued by inline PTX (``_fp32_to_fp8_bits_ptx``).
+CVT_TRITON, CVT_EMULATE, CVT_PTX = 0, 1, 2
 
-    Why tiled kernels emulate: on H200 with Triton 3.6 the hardware conversion inside tile kernels that also write
-    the transposed copy wrote wrong bytes for some configurations (fp32 inputs, N < 64, SwiGLU's two halves, and
-    the GELU backward on bf16 64 x 128 tiles: NaN bytes where torch has finite values): in the transposed copy
-    and in one case in the row-major copy too, whether the 8-bit tile or the fp32 tile was transposed (cf.
-    triton-lang/triton#11111, fp8 transposed stores miscompiled). Only the plain cast-transpose of 16-bit inputs on
-    full 64 x 128 tiles (``cast._hw_cvt_ok``) uses the hardware conversion, checked bit-exact against the
-    emulation by the GPU tests. The emulation is bit-exact in every tested configuration; it costs ALU time (H200,
-    32768 x 4096 bf16 -> e4m3 cast-transpose: 0.21 ms with the hardware conversion vs 0.29 ms emulated).
+
+def fp8_cvt_mode(tiled_transpose: bool = False) -> int:
+    """The ``CVT`` constexpr of a launch: the exact integer emulation (``CVT_EMULATE``) under the interpreter or when
+    forced by ``FP8ENGINE_EMULATE_FP8_CVT=1``; in tiled kernels that also write the transposed copy
+    (``tiled_transpose=True``) the inline-PTX conversion (``CVT_PTX``), or the emulation with
+    ``FP8ENGINE_TILED_FP8_CVT=emulate``; elsewhere Triton's conversion (``CVT_TRITON``).
+
+    Why tiled kernels do not use Triton's conversion: on H200 with Triton 3.6 ``.to(tl.float8e4nv)`` inside tile
+    kernels that also write the transposed copy wrote wrong bytes for some configurations (fp32 inputs, N < 64,
+    SwiGLU's two halves, and the GELU backward on bf16 64 x 128 tiles: NaN bytes where torch has finite values),
+    whether the 8-bit tile or the fp32 tile was transposed (cf. triton-lang/triton#11111, fp8 transposed stores
+    miscompiled). Only the plain cast-transpose of 16-bit inputs on full 64 x 128 tiles (``cast._hw_cvt_ok``) uses
+    it, checked bit-exact by the GPU tests. The PTX path issues the same ``cvt.rn.satfinite`` instruction on plain
+    32-bit registers and returns uint8, so the tile that is transposed is an ordinary integer tile.
     """
-    return interpreting() or tiled_transpose or os.environ.get("FP8ENGINE_EMULATE_FP8_CVT") == "1"
+    if interpreting() or os.environ.get("FP8ENGINE_EMULATE_FP8_CVT") == "1":
+        return CVT_EMULATE
+    if not tiled_transpose:
+        return CVT_TRITON
+    return CVT_EMULATE if os.environ.get("FP8ENGINE_TILED_FP8_CVT") == "emulate" else CVT_PTX
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -189,10 +200,10 @@ def _fp32_to_fp8_bits(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _round_to(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """fp32 ``v`` -> ``dtype`` rounded to nearest even, as torch. Under the interpreter (``EMULATE``) the
+def _round_to(v, dtype: tl.constexpr, CVT: tl.constexpr):
+    """fp32 ``v`` -> ``dtype`` rounded to nearest even, as torch. Under the interpreter (``CVT == 1``) the
     fp32 -> bf16 conversion truncates, so bf16 is rounded here with the integer RNE on the fp32 bits (NaN kept)."""
-    if EMULATE and dtype == tl.bfloat16:
+    if CVT == 1 and dtype == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         rounded = tl.where(v != v, (bits >> 16) | 0x40, rounded)
@@ -201,22 +212,41 @@ def _round_to(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _quantize(y, scale, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, EMULATE: tl.constexpr):
-    """saturate(y * scale) -> FP8 bits as uint8. ``y`` fp32 block, ``scale`` fp32 scalar. NaN passes the clamp."""
+def _quantize(y, scale, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, CVT: tl.constexpr):
+    """saturate(y * scale) -> FP8 bits as uint8. ``y`` fp32 block, ``scale`` fp32 scalar. NaN passes the clamp.
+    ``CVT``: 0 Triton's conversion, 1 the integer emulation, 2 inline PTX (see ``fp8_cvt_mode``)."""
     v = y * scale
     v = tl.where(v > FP8_MAX, FP8_MAX, v)
     v = tl.where(v < -FP8_MAX, -FP8_MAX, v)
-    if EMULATE:
+    if CVT == 1:
         if IS_E4M3:
             b = _fp32_to_fp8_bits(v, 3, 7)
         else:
             b = _fp32_to_fp8_bits(v, 2, 15)
+    elif CVT == 2:
+        b = _fp32_to_fp8_bits_ptx(v, IS_E4M3)
     else:
         if IS_E4M3:
             b = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
         else:
             b = v.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     return b
+
+
+@triton.jit
+def _fp32_to_fp8_bits_ptx(v, IS_E4M3: tl.constexpr):
+    """fp32 -> FP8 bits (uint8) by the sm_89+ instruction ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` (round to nearest
+    even; finite inputs beyond the range saturate, NaN stays NaN), four values per asm block: the two x2
+    conversions give 16 bits each (first operand in the high byte), packed low half first into the 32-bit output
+    that Triton splits into four uint8 lanes in element order. GPU only (the interpreter cannot run PTX)."""
+    if IS_E4M3:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v], dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -252,7 +282,7 @@ def _store_tile(
     scale,  # fp32 scalar scale (ignored unless IS_FP8)
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
-    EMULATE: tl.constexpr,
+    CVT: tl.constexpr,
     IS_FP8: tl.constexpr,
     WRITE_T: tl.constexpr,
 ):
@@ -261,7 +291,7 @@ def _store_tile(
     cols = offs_n.to(tl.int64)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < col_end)
     if IS_FP8:
-        b = _quantize(v, scale, FP8_MAX, IS_E4M3, EMULATE)
+        b = _quantize(v, scale, FP8_MAX, IS_E4M3, CVT)
         tl.store(out_ptr + rows[:, None] * NC + cols[None, :], b, mask=mask)
         if WRITE_T:
             # the transposed tile goes to rows offs_n of the [NC, M] copy; tl.trans lets the compiler stage it

@@ -43,7 +43,7 @@ from ._common import (
     check_hp,
     check_launchable,
     check_scalar_f32,
-    emulate_fp8_cvt,
+    fp8_cvt_mode,
     fp8_format,
     new_scale_inv,
     quantize_reference,
@@ -109,7 +109,7 @@ def _act_fwd_flat_kernel(
     HAS_AMAX: tl.constexpr,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
-    EMULATE: tl.constexpr,
+    CVT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -124,7 +124,7 @@ def _act_fwd_flat_kernel(
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     if WRITE_FP8:
         scale = tl.load(scale_ptr)
-        tl.store(y8_ptr + offs, _quantize(y, scale, FP8_MAX, IS_E4M3, EMULATE), mask=mask)
+        tl.store(y8_ptr + offs, _quantize(y, scale, FP8_MAX, IS_E4M3, CVT), mask=mask)
         if HAS_AMAX:
             tl.atomic_max(amax_ptr, _abs_max_flat(y, mask))  # NaN counts as +inf
         if pid == 0:
@@ -146,7 +146,7 @@ def _swiglu_fwd_kernel(
     HAS_AMAX: tl.constexpr,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
-    EMULATE: tl.constexpr,
+    CVT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -163,7 +163,7 @@ def _swiglu_fwd_kernel(
         tl.store(y_ptr + rows * N + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if WRITE_FP8:
         scale = tl.load(scale_ptr)
-        tl.store(y8_ptr + rows * N + offs_n[None, :], _quantize(y, scale, FP8_MAX, IS_E4M3, EMULATE), mask=mask)
+        tl.store(y8_ptr + rows * N + offs_n[None, :], _quantize(y, scale, FP8_MAX, IS_E4M3, CVT), mask=mask)
         if HAS_AMAX:
             tl.atomic_max(amax_ptr, _abs_max(y, mask))
         if (pid_m == 0) & (pid_n == 0):
@@ -187,7 +187,7 @@ def _act_bwd_kernel(
     HAS_AMAX: tl.constexpr,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
-    EMULATE: tl.constexpr,
+    CVT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -208,9 +208,9 @@ def _act_bwd_kernel(
         sig = _sigmoid(g)
         dg = dy * u * sig * (1.0 + g * (1.0 - sig))
         du = dy * g * sig
-        _store_tile(dg, offs_m, offs_n, M, 2 * N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
+        _store_tile(dg, offs_m, offs_n, M, 2 * N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, CVT,
                     IS_FP8, IS_FP8)  # fmt: skip
-        _store_tile(du, offs_m, offs_n + N, M, 2 * N, 2 * N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
+        _store_tile(du, offs_m, offs_n + N, M, 2 * N, 2 * N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, CVT,
                     IS_FP8, IS_FP8)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dg, axis=0), mask=offs_n < N)
         tl.store(part + N + offs_n, tl.sum(du, axis=0), mask=offs_n < N)
@@ -224,7 +224,7 @@ def _act_bwd_kernel(
             dx = dy * (s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x))
         else:
             dx = tl.where(x > 0.0, dy, 0.0)
-        _store_tile(dx, offs_m, offs_n, M, N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE,
+        _store_tile(dx, offs_m, offs_n, M, N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, CVT,
                     IS_FP8, IS_FP8)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dx, axis=0), mask=offs_n < N)
         if HAS_AMAX:
@@ -264,7 +264,7 @@ def _act_fwd(x, act, scale, fp8_dtype, amax_out, return_hp, op):
             scale if write_fp8 else dummy, scale_inv if write_fp8 else dummy,
             amax_out if amax_out is not None else dummy)
     flags = dict(WRITE_HP=return_hp, WRITE_FP8=write_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max,
-                 IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt())
+                 IS_E4M3=is_e4m3, CVT=fp8_cvt_mode())
     if act == _SWIGLU:
         m = as_2d(x).shape[0]
         grid = (max(1, triton.cdiv(m, FWD_BLOCK_M)), max(1, triton.cdiv(n, FWD_BLOCK_N)))
@@ -303,7 +303,7 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
         scale if is_fp8 else parts, scale_inv if is_fp8 else parts, amax_out if amax_out is not None else parts,
         parts, m, n,
         ACT=act, IS_FP8=is_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
-        EMULATE=emulate_fp8_cvt(tiled_transpose=True), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=4,
+        CVT=fp8_cvt_mode(tiled_transpose=True), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
     dbias = sum_partials(parts[: triton.cdiv(m, BWD_BLOCK_M)], dy.dtype)
     return dx, dx_t, scale_inv, dbias

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._common import (
+    CVT_EMULATE,
     _abs_max,
     _abs_max_flat,
     _quantize,
@@ -30,7 +31,7 @@ from ._common import (
     check_hp,
     check_launchable,
     check_scalar_f32,
-    emulate_fp8_cvt,
+    fp8_cvt_mode,
     fp8_format,
     new_scale_inv,
     quantize_reference,
@@ -65,7 +66,7 @@ TILE_WARPS = 4
 def _hw_cvt_ok(x2: torch.Tensor) -> bool:
     """Whether the tiled kernel may use the hardware FP8 conversion for ``x2``: 16-bit inputs on full tiles, the
     case tools/tune_cast_transpose.py verified bit-exact on H200 (both copies, all tile shapes swept). fp32 inputs
-    (wrong bytes there with every tile shape) and partial tiles keep the exact emulation (see emulate_fp8_cvt)."""
+    (wrong bytes there with every tile shape) and partial tiles keep the exact emulation (see fp8_cvt_mode)."""
     m, n = x2.shape
     return x2.dtype in (torch.bfloat16, torch.float16) and m % TILE_M == 0 and n % TILE_N == 0
 
@@ -80,7 +81,7 @@ def _cast_kernel(
     n,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
-    EMULATE: tl.constexpr,
+    CVT: tl.constexpr,
     WRITE_OUT: tl.constexpr,
     HAS_AMAX: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -93,7 +94,7 @@ def _cast_kernel(
         tl.atomic_max(amax_ptr, _abs_max_flat(x, mask))  # NaN counts as +inf
     if WRITE_OUT:
         scale = tl.load(scale_ptr)
-        tl.store(out_ptr + offs, _quantize(x, scale, FP8_MAX, IS_E4M3, EMULATE), mask=mask)
+        tl.store(out_ptr + offs, _quantize(x, scale, FP8_MAX, IS_E4M3, CVT), mask=mask)
         if pid == 0:
             _write_scale_inv(scale, scale_inv_ptr)
 
@@ -111,7 +112,7 @@ def _cast_transpose_kernel(
     N,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
-    EMULATE: tl.constexpr,
+    CVT: tl.constexpr,
     HAS_AMAX: tl.constexpr,
     HAS_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -124,7 +125,7 @@ def _cast_transpose_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr)
-    _store_tile(x, offs_m, offs_n, M, N, N, out_ptr, out_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE, True, True)
+    _store_tile(x, offs_m, offs_n, M, N, N, out_ptr, out_t_ptr, scale, FP8_MAX, IS_E4M3, CVT, True, True)
     if HAS_AMAX:
         tl.atomic_max(amax_ptr, _abs_max(x, mask))
     if HAS_DBIAS:
@@ -202,7 +203,7 @@ def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbi
     _cast_transpose_kernel[(grid_m, grid_n)](
         x2, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
         amax_out if amax_out is not None else scale_inv, parts if parts is not None else scale_inv, m, n,
-        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(tiled_transpose=not _hw_cvt_ok(x2)),
+        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=not _hw_cvt_ok(x2)),
         HAS_AMAX=amax_out is not None, HAS_DBIAS=parts is not None, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
     )  # fmt: skip
     dbias = sum_partials(parts[: triton.cdiv(m, TILE_M)], dbias_dtype) if parts is not None else None
@@ -245,7 +246,7 @@ def cast_to_fp8(
     n = x.numel()
     _cast_kernel[(max(1, triton.cdiv(n, CAST_BLOCK)),)](
         x, data.view(torch.uint8), scale, scale_inv, amax_out if amax_out is not None else scale_inv, n,
-        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(), WRITE_OUT=True,
+        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(), WRITE_OUT=True,
         HAS_AMAX=amax_out is not None, BLOCK=CAST_BLOCK,
     )  # fmt: skip
     return data, None, scale_inv
@@ -282,7 +283,7 @@ def compute_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
     check_scalar_f32(amax_out, "amax_out", x.device, "compute_amax")
     n = x.numel()
     _cast_kernel[(max(1, triton.cdiv(n, CAST_BLOCK)),)](
-        x, amax_out, amax_out, amax_out, amax_out, n, FP8_MAX=448.0, IS_E4M3=True, EMULATE=True,
+        x, amax_out, amax_out, amax_out, amax_out, n, FP8_MAX=448.0, IS_E4M3=True, CVT=CVT_EMULATE,
         WRITE_OUT=False, HAS_AMAX=True, BLOCK=CAST_BLOCK,
     )  # fmt: skip
 

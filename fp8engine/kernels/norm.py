@@ -39,7 +39,7 @@ from ._common import (
     check_hp,
     check_launchable,
     check_scalar_f32,
-    emulate_fp8_cvt,
+    fp8_cvt_mode,
     fp8_format,
     interpreting,
     new_scale_inv,
@@ -108,7 +108,7 @@ def _norm_fwd_kernel(
     HAS_AMAX: tl.constexpr,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
-    EMULATE: tl.constexpr,
+    CVT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -122,7 +122,7 @@ def _norm_fwd_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:  # the residual connection: x + residual rounded to x's dtype (torch's add), then normalised
         x = _round_to(x.to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), x.dtype,
-                      EMULATE)
+                      CVT)
         tl.store(s_ptr + offs, x, mask=mask)
     x = x.to(tl.float32)
     if IS_RMS:
@@ -144,7 +144,7 @@ def _norm_fwd_kernel(
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     if WRITE_FP8:
         scale = tl.load(scale_ptr)
-        tl.store(y8_ptr + offs, _quantize(y, scale, FP8_MAX, IS_E4M3, EMULATE), mask=mask)
+        tl.store(y8_ptr + offs, _quantize(y, scale, FP8_MAX, IS_E4M3, CVT), mask=mask)
         if HAS_AMAX:
             tl.atomic_max(amax_ptr, _abs_max(y, mask))
         if pid == 0:
@@ -271,7 +271,7 @@ def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_
         IS_RMS=is_rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         ZERO_CENTERED=zero_centered_gamma, WRITE_HP=return_hp,
         WRITE_FP8=write_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
-        EMULATE=emulate_fp8_cvt(), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        CVT=fp8_cvt_mode(), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
     return y, y8, scale_inv, mean, rstd
 

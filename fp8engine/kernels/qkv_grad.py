@@ -49,7 +49,7 @@ from ._common import (
     _write_scale_inv,
     check_launchable,
     check_scalar_f32,
-    emulate_fp8_cvt,
+    fp8_cvt_mode,
     fp8_format,
     new_scale_inv,
     sum_partials,
@@ -86,7 +86,7 @@ def _qkv_grad_cast_transpose_kernel(
     HEAD_DIM: tl.constexpr,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
-    EMULATE: tl.constexpr,
+    CVT: tl.constexpr,
     HAS_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -114,7 +114,7 @@ def _qkv_grad_cast_transpose_kernel(
     # select, not add: xq + xk + xv would turn a -0.0 into +0.0 (a different FP8 code)
     x = tl.where(is_q, xq, tl.where(is_k, xk, xv)).to(tl.float32)
     scale = tl.load(scale_ptr)
-    _store_tile(x, offs_m, offs_n, T, C, C, out_ptr, out_t_ptr, scale, FP8_MAX, IS_E4M3, EMULATE, True, True)
+    _store_tile(x, offs_m, offs_n, T, C, C, out_ptr, out_t_ptr, scale, FP8_MAX, IS_E4M3, CVT, True, True)
     if HAS_AMAX:
         tl.atomic_max(amax_ptr, _abs_max(x, mask))
     tl.store(dbias_part_ptr + pid_m.to(tl.int64) * C + offs_n, tl.sum(x, axis=0), mask=offs_n < C)
@@ -216,7 +216,7 @@ def qkv_grad_cast_transpose_dbias(
         dq, dk, dv, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
         amax_out if amax_out is not None else scale_inv, parts, t, c, b,
         *dq.stride(), *dk.stride(), *dv.stride(),
-        HPG=hpg, HEAD_DIM=d, FP8_MAX=fp8_max, IS_E4M3=is_e4m3, EMULATE=emulate_fp8_cvt(tiled_transpose=not hw_ok),
+        HPG=hpg, HEAD_DIM=d, FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=not hw_ok),
         HAS_AMAX=amax_out is not None, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
     )  # fmt: skip
     return data, data_t, scale_inv, sum_partials(parts, dq.dtype)

@@ -147,11 +147,10 @@ def test_activation_errors(device):
 @pytest.mark.parametrize("shape", [(512, 1024), (300, 200)])
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_hardware_conversion_matches_emulation_on_gpu(name, dtype, shape, fp8_dtype, monkeypatch):
-    """On a GPU the activation forward uses the hardware FP8 conversion; the same kernel with the exact emulation
-    (FP8ENGINE_EMULATE_FP8_CVT=1) computes the same fp32 values, so the FP8 bits must be identical. The backward
-    (transposed store in the same tile) keeps the emulation (``_common.emulate_fp8_cvt``), so its half of the check
-    guards that choice: a switch to the hardware conversion there must give the same bytes. Full 64 x 128 tiles
-    (512 x 1024) and ragged ones (300 x 200)."""
+    """On a GPU the activation forward uses Triton's FP8 conversion and the backward (transposed store in the same
+    tile) the inline-PTX one (``_common.fp8_cvt_mode``); the same kernels with the exact emulation
+    (FP8ENGINE_EMULATE_FP8_CVT=1) compute the same fp32 values, so the FP8 bits must be identical. Full 64 x 128
+    tiles (512 x 1024) and ragged ones (300 x 200)."""
     fwd, _, bwd, _ = _fns(name)
     x, _ = _inputs(name, shape, dtype, "cuda")
     dy = randn(shape, dtype, "cuda", seed=7)

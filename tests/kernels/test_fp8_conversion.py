@@ -92,3 +92,24 @@ def test_references_import_without_triton():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on a GPU only")
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
+def test_tiled_ptx_conversion_matches_torch(fp8_dtype, src):
+    """The cast-transpose tiles that take the inline-PTX conversion (``fp8_cvt_mode(tiled_transpose=True)``: rows
+    of 64 columns, not a multiple of the 128-column tile, and fp32 input): every bf16 / fp16 bit pattern (as
+    fp32 for the fp32 case, with the rounding ties of both formats) in both copies, bit-identical to torch."""
+    x = _all_patterns(torch.float16 if src == torch.float16 else torch.bfloat16)
+    if src == torch.float32:
+        ties = torch.cat([_ties(torch.float8_e4m3fn), _ties(torch.float8_e5m2)])
+        ties = torch.cat([ties, -ties])
+        x = torch.cat([x, ties, torch.zeros(-(x.numel() + ties.numel()) % 64)])
+    x = x.to(src).reshape(-1, 64).cuda()
+    for scale in (1.0, 2.0**-9, 3.3, 2.0**17):
+        s = torch.tensor([scale], device="cuda")
+        want, _, _ = cast_to_fp8_reference(x, s, fp8_dtype)
+        got, got_t, _ = cast_to_fp8(x, s, fp8_dtype, transpose=True)
+        assert_fp8_equal(got, want, fp8_dtype)
+        assert_fp8_equal(got_t, want.t().contiguous(), fp8_dtype)
