@@ -5,6 +5,10 @@ bf16 pre-LN block of ../shared/ANCHORS.md, and torchao.float8 (tensorwise) on th
 With ``--tp T`` (launch with ``torchrun --nproc-per-node T``) the layer runs tensor parallel with sequence
 parallelism over T GPUs, same global batch; times are per step (every rank runs the step concurrently).
 
+With ``--rounds R`` every row is timed R times, the rows interleaved (round 1 of every row, then round 2, ...), and
+the medians over rounds are reported: the GPU's speed drifts over a run (rows timed later ran slower), and
+interleaving spreads that drift over all rows.
+
 Two timings per row: ``ms`` = median of single steps, each after a synchronisation (the ANCHORS.md method: every
 step also pays the host time until its first kernels reach the GPU); ``ms back-to-back`` = median over repeats of
 5 steps issued without synchronisation, per step (consecutive training steps; host time overlaps GPU work).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -136,14 +141,20 @@ def run_single(args) -> list[dict]:
         recipe = fe.DelayedScaling()
         graphed = make_graphed_callables(_ours(h, f, heads, dev), (x,), fp8_recipe=recipe)
         cases.append(("fp8engine TransformerLayer fp8 delayed, CUDA graph (make_graphed_callables)", graphed, recipe))
-    rows, flops = [], layer_flops(s, b, h, f)
-    for name, model, recipe in cases:
-        peak_memory_gib(reset=True)
-        step = _cached_weights_step(model, x, dy, recipe) if name == _CACHED else _step(model, x, dy, recipe)
-        ms = time_fn(step, warmup=3, iters=args.iters, device=dev)
-        ms_b2b = time_back_to_back(step, steps=5, repeats=args.iters, device=dev)
-        rows.append({"impl": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "ms back-to-back": ms_b2b,
-                     "peak_GiB": peak_memory_gib()})
+    flops = layer_flops(s, b, h, f)
+    times = {name: ([], [], []) for name, _, _ in cases}  # single, back-to-back, peak GiB per round
+    for _ in range(args.rounds):  # rows interleaved: a drift of the GPU's speed over the run hits all rows alike
+        for name, model, recipe in cases:
+            peak_memory_gib(reset=True)
+            step = _cached_weights_step(model, x, dy, recipe) if name == _CACHED else _step(model, x, dy, recipe)
+            times[name][0].append(time_fn(step, warmup=3, iters=args.iters, device=dev))
+            times[name][1].append(time_back_to_back(step, steps=5, repeats=args.iters, device=dev))
+            times[name][2].append(peak_memory_gib())
+    rows = []
+    for name, (single, b2b, peak) in times.items():
+        ms = statistics.median(single)
+        rows.append({"impl": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "ms back-to-back": statistics.median(b2b),
+                     "peak_GiB": max(peak), "ms per round": " / ".join(f"{v:.2f}" for v in single)})
     return rows
 
 
@@ -183,6 +194,7 @@ def main(argv=None) -> int:
     p.add_argument("--ffn", type=int, default=16384)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1, help="time the rows this many times, interleaved; report medians")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-torchao", action="store_true")

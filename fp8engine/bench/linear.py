@@ -5,6 +5,7 @@ FLOPs counted: 3 GEMMs of ``2*M*K*N`` each (fprop, dgrad, wgrad).
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -29,7 +30,8 @@ def _step(model, x, dy, fp8_recipe=None):
     return run
 
 
-def bench_shape(m: int, k: int, n: int, device: str, iters: int, with_torchao: bool) -> list[dict]:
+def bench_shape(m: int, k: int, n: int, device: str, iters: int, with_torchao: bool, rounds: int = 1
+                ) -> list[dict]:
     dtype = torch.bfloat16
     torch.manual_seed(0)
     ref = torch.nn.Linear(k, n, bias=True, device=device, dtype=dtype)
@@ -44,13 +46,19 @@ def bench_shape(m: int, k: int, n: int, device: str, iters: int, with_torchao: b
     if with_torchao:
         cases.append(("torchao.float8 eager", torchao_float8(ref), None))
         cases.append(("torchao.float8 compile", torchao_float8(ref, compile=True), None))
+    times = {name: ([], []) for name, _, _ in cases}  # ms and peak GiB per round
+    for _ in range(rounds):  # rows interleaved, as in bench layer --rounds
+        for name, model, recipe in cases:
+            peak_memory_gib(reset=True)
+            times[name][0].append(time_fn(_step(model, x, dy, recipe), warmup=5, iters=iters, device=device))
+            times[name][1].append(peak_memory_gib())
     rows, base = [], None
-    for name, model, recipe in cases:
-        peak_memory_gib(reset=True)
-        ms = time_fn(_step(model, x, dy, recipe), warmup=5, iters=iters, device=device)
+    for name, (ms_rounds, peak) in times.items():
+        ms = statistics.median(ms_rounds)
         base = base or ms
         rows.append({"impl": name, "M": m, "K": k, "N": n, "ms": ms, "TFLOP/s": flops / ms / 1e9,
-                     "speedup_vs_bf16": base / ms, "peak_GiB": peak_memory_gib()})
+                     "speedup_vs_bf16": base / ms, "peak_GiB": max(peak),
+                     "ms per round": " / ".join(f"{v:.3f}" for v in ms_rounds)})
     return rows
 
 
@@ -58,6 +66,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fp8engine.bench linear", description=__doc__)
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN list")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1, help="time the rows this many times, interleaved; report medians")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--json", default=None, help="write the rows here")
@@ -67,7 +76,7 @@ def main(argv=None) -> int:
     rows = []
     for shape in args.shapes.split(","):
         m, k, n = (int(v) for v in shape.lower().split("x"))
-        rows += bench_shape(m, k, n, args.device, args.iters, with_torchao)
+        rows += bench_shape(m, k, n, args.device, args.iters, with_torchao, args.rounds)
     print_table(rows)
     write_json(args.json, "linear", rows)
     return 0
