@@ -64,9 +64,10 @@ TILE_WARPS = 4
 
 
 def _hw_cvt_ok(x2: torch.Tensor) -> bool:
-    """Whether the tiled kernel may use the hardware FP8 conversion for ``x2``: 16-bit inputs on full tiles, the
+    """Whether the tiled kernel may use Triton's FP8 conversion for ``x2``: 16-bit inputs on full tiles, the
     case tools/tune_cast_transpose.py verified bit-exact on H200 (both copies, all tile shapes swept). fp32 inputs
-    (wrong bytes there with every tile shape) and partial tiles keep the exact emulation (see fp8_cvt_mode)."""
+    (wrong bytes there with every tile shape) and partial tiles take the inline-PTX conversion (see
+    fp8_cvt_mode)."""
     m, n = x2.shape
     return x2.dtype in (torch.bfloat16, torch.float16) and m % TILE_M == 0 and n % TILE_N == 0
 

@@ -27,7 +27,8 @@ rounding is nearest-even, bit-identical to torch (see ``_common``). ``amax_out``
 
 Bit-identity with ``cast_transpose_dbias``: same tile (``cast.TILE_M`` x ``cast.TILE_N``), same per-tile fp32
 column sums into a ``[cdiv(T, TILE_M), C]`` partial buffer reduced by ``sum_partials``, and the hardware FP8
-conversion under the same condition as ``cast._hw_cvt_ok`` (16-bit inputs on full tiles), the emulation otherwise.
+conversion under the same condition as ``cast._hw_cvt_ok`` (16-bit inputs on full tiles), the inline-PTX one
+otherwise (``_common.fp8_cvt_mode``).
 Tested bit-exact under TRITON_INTERPRET=1 (tests/kernels/test_qkv_grad_kernel.py). On a GPU two things are not yet
 verified for this kernel: the in-tile fp32 summation order of ``tl.sum`` follows the register layout the compiler
 picks, which the gathered loads may change (dbias could then differ from cast_transpose_dbias in its last bit), and

@@ -2,8 +2,9 @@
 
 Under TRITON_INTERPRET the kernels use an integer emulation (the interpreter's own float->fp8 conversion does not
 round to nearest even, see fp8engine/kernels/_common.py); on CUDA the hardware conversion, and the emulation when
-FP8ENGINE_EMULATE_FP8_CVT=1. Both are checked against torch on every bf16 / fp16 bit pattern and on the rounding
-ties between adjacent FP8 values.
+FP8ENGINE_EMULATE_FP8_CVT=1, and in the tiled kernels that also write the transposed copy the inline-PTX
+conversion. All are checked against torch on every bf16 / fp16 bit pattern and on the rounding ties between
+adjacent FP8 values.
 """
 
 import subprocess
