@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.ops import cublaslt
 
-__all__ = ["fp8_gemm", "fp8_mm", "check_gemm_dims"]
+__all__ = ["fp8_gemm", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ALIGN = 16  # cuBLASLt FP8 requires K and N to be multiples of 16 (torch._scaled_mm checks it on CUDA)
 
 
@@ -55,8 +57,7 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
         TypeError: non-FP8 operands, or E5M2 x E5M2.
         ValueError: K or N not a multiple of 16 (and ``pad_inner`` not set for K).
     """
-    if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.dtype not in (torch.float8_e4m3fn,
-                                                                                 torch.float8_e5m2):
+    if a.dtype not in _FP8 or b.dtype not in _FP8:
         raise TypeError(f"fp8_mm operands must be FP8, got {a.dtype} and {b.dtype}")
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         raise TypeError("E5M2 x E5M2 GEMMs are not supported by cuBLASLt; quantize one operand to E4M3")
@@ -75,6 +76,30 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
     if bias is not None and not fused_bias:
         out = out + bias.to(out_dtype)
     return out
+
+
+def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                      out: torch.Tensor, *, pad_inner: bool = False) -> None:
+    """``out += (a * a_scale_inv) @ (b * b_scale_inv).T`` into a float32 ``out [M, N]`` (``fuse_wgrad_accumulation``).
+
+    On CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1, :mod:`fp8engine.ops.cublaslt`); on CPU,
+    or when ``out`` is not contiguous, it is :func:`fp8_mm` into float32 plus ``out.add_``. The two differ only in
+    rounding: cuBLASLt adds the fp32 product to ``out`` in its epilogue before one rounding, the fallback rounds the
+    product to fp32 first. Operands and errors as :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also
+    ``TypeError`` when ``out`` is not float32 and ``ValueError`` when it is not shaped ``[M, N]``.
+    """
+    if out.dtype != torch.float32:
+        raise TypeError(f"fp8_mm_accumulate accumulates into float32, got out of dtype {out.dtype}")
+    if tuple(out.shape) != (a.shape[0], b.shape[0]):
+        raise ValueError(f"fp8_mm_accumulate: out must be [M, N] = {(a.shape[0], b.shape[0])}, got {tuple(out.shape)}")
+    if out.is_cuda and out.is_contiguous() and cublaslt.available():
+        if a.dtype not in _FP8 or b.dtype not in _FP8:
+            raise TypeError(f"fp8_mm_accumulate operands must be FP8, got {a.dtype} and {b.dtype}")
+        if pad_inner and a.shape[1] % _ALIGN:
+            a, b = _pad_last(a, _ALIGN), _pad_last(b, _ALIGN)
+        cublaslt.scaled_mm_accumulate(a.contiguous(), a_scale_inv, b.contiguous(), b_scale_inv, out)
+    else:
+        out.add_(fp8_mm(a, a_scale_inv, b, b_scale_inv, torch.float32, pad_inner=pad_inner))
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, bias=None, use_fast_accum=False,

@@ -18,17 +18,17 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand
-from fp8engine.ops.gemm import fp8_gemm, fp8_mm
+from fp8engine.ops.gemm import fp8_gemm, fp8_mm, fp8_mm_accumulate
 
-__all__ = ["fp8_linear", "LINEAR_ROLES", "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
+__all__ = ["fp8_linear", "LINEAR_ROLES", "main_grad_of", "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
 
 
-def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
-    """Add ``dw`` into the fp32 ``weight.main_grad`` the user allocated (``fuse_wgrad_accumulation``).
+def main_grad_of(weight: torch.Parameter) -> torch.Tensor:
+    """The fp32 ``weight.main_grad`` the user allocated for ``fuse_wgrad_accumulation``.
 
     Raises ValueError when ``main_grad`` is missing, not float32, or not shaped like the weight."""
     main_grad = getattr(weight, "main_grad", None)
@@ -38,7 +38,13 @@ def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
     if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape:
         raise ValueError(f"weight.main_grad must be float32 with the weight's shape {tuple(weight.shape)}, got "
                          f"{main_grad.dtype} {tuple(main_grad.shape)}")
-    main_grad.add_(dw)
+    return main_grad
+
+
+def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
+    """Add a computed ``dw`` into ``weight.main_grad`` (the high-precision paths; FP8 wgrads accumulate inside
+    the GEMM with :func:`fp8engine.ops.gemm.fp8_mm_accumulate`). Errors as :func:`main_grad_of`."""
+    main_grad_of(weight).add_(dw)
 
 
 class _HighPrecisionMainGrad(torch.autograd.Function):
@@ -110,21 +116,19 @@ def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple]
     - dgrad ``dx = dy @ w`` ``[M, K]`` in ``dy_fp8.dtype``, when ``w_t = (W^T data [K, N], scale_inv)`` is given;
     - wgrad ``dw = dy.T @ x`` ``[N, K]`` (token dim zero-padded to a multiple of 16), when
       ``x_t = (X^T data [K, M], scale_inv)`` is given: in ``weight.dtype``, or with ``fuse_wgrad`` in fp32 added
-      into ``weight.main_grad`` (then returned as None). ``torch._scaled_mm`` has no accumulate (beta) input, so
-      this is a GEMM into fp32 plus ``main_grad.add_``; a Triton FP8 GEMM accumulating in its epilogue (commit
-      e83dd18, ``kernels/gemm.py``) reached 847-925 TFLOP/s against 995-1120 for cuBLAS + add at the layer's
-      wgrad shapes on H200 (docs/benchmarks.md) and was removed.
+      accumulated into ``weight.main_grad`` by the GEMM itself (:func:`fp8_mm_accumulate`: cuBLASLt with beta = 1
+      on CUDA), then returned as None.
     Returns ``(dx or None, dw or None)``.
     """
     dx = dw = None
     if w_t is not None:
         dx = fp8_mm(dy_fp8.data, dy_fp8.scale_inv, w_t[0], w_t[1], dy_fp8.dtype)
     if x_t is not None:
-        out_dtype = torch.float32 if fuse_wgrad else weight.dtype
-        dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], out_dtype, pad_inner=True)
         if fuse_wgrad:
-            accumulate_wgrad(weight, dw)
-            dw = None
+            fp8_mm_accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], main_grad_of(weight),
+                              pad_inner=True)
+        else:
+            dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], weight.dtype, pad_inner=True)
     return dx, dw
 
 

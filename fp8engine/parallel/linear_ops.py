@@ -25,8 +25,8 @@ import torch.distributed as dist
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.cast import FP8Plan, cast_operand
-from fp8engine.ops.gemm import fp8_gemm
-from fp8engine.ops.linear import accumulate_wgrad
+from fp8engine.ops.gemm import fp8_gemm, fp8_mm_accumulate
+from fp8engine.ops.linear import accumulate_wgrad, main_grad_of
 from fp8engine.parallel.fp8_comm import all_gather_dim0, all_gather_fp8_bytes, cast_and_all_gather_fp8
 from fp8engine.parallel.utils import get_group_size, reduce_scatter_into
 
@@ -130,14 +130,16 @@ class _TPLinear(torch.autograd.Function):
         if need_dw:  # wgrad: dw = dy.T @ x_total, overlapped with the dgrad communication
             if gather_work is not None:
                 gather_work.wait()
-            out_dtype = torch.float32 if cfg.fuse_wgrad else weight.dtype
             if plan is None:
-                dw = (dy2d.t() @ x_total).to(out_dtype)
+                dw = dy2d.t() @ x_total
+                if cfg.fuse_wgrad:
+                    accumulate_wgrad(weight, dw.float())
+                    dw = None
+            elif cfg.fuse_wgrad:  # the GEMM accumulates into main_grad (cuBLASLt beta = 1 on CUDA)
+                fp8_mm_accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_total_fp8.transpose_2d(),
+                                  x_total_fp8.scale_inv, main_grad_of(weight), pad_inner=True)
             else:
-                dw = fp8_gemm(dy_fp8, x_total_fp8, out_dtype, transpose_a=True, transpose_b=True, pad_inner=True)
-            if cfg.fuse_wgrad:
-                accumulate_wgrad(weight, dw)
-                dw = None
+                dw = fp8_gemm(dy_fp8, x_total_fp8, weight.dtype, transpose_a=True, transpose_b=True, pad_inner=True)
         db = dy2d.sum(0, dtype=torch.promote_types(dy.dtype, torch.float32)).to(weight.dtype) if need_db else None
 
         if dgrad_work is not None:

@@ -1,0 +1,145 @@
+"""``fp8_mm_accumulate``: the FP8 GEMM that adds into an fp32 output (``fuse_wgrad_accumulation``). On CUDA it is one
+cuBLASLt call with beta = 1 (``fp8engine.ops.cublaslt``); on CPU a GEMM into fp32 plus ``add_``."""
+import pytest
+import torch
+
+import fp8engine as fe
+from fp8engine.ops import cublaslt
+from fp8engine.ops.gemm import fp8_mm, fp8_mm_accumulate
+from tests.conftest import sqnr
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuBLASLt accumulate path needs a GPU")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+# Bound for the accumulating GEMM against float64: the products of two FP8 values are exact in fp32, so the only
+# error is fp32 accumulation (relative ~1e-7 per add, K <= 1152 terms): >= 80 dB. A wrong beta, scale pointer or
+# operand layout gives 0-30 dB (the FP8 quantization noise of the operands alone is ~25-30 dB against the
+# unquantized inputs, but the reference here is built from the dequantized operands, so it does not count).
+MIN_SQNR_DB = 80.0
+
+
+def _operands(m, n, k, a_dt, b_dt, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = fe.quantize_current(torch.randn(m, k, generator=g).to(device) * 3, a_dt)
+    b = fe.quantize_current(torch.randn(n, k, generator=g).to(device) * 0.1, b_dt)
+    out0 = torch.randn(m, n, generator=g).to(device) * 50  # the gradient accumulated so far
+    return a, b, out0
+
+
+def _reference(a, b, out0):
+    return out0.double() + a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+
+
+@pytest.mark.parametrize("a_dt,b_dt", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=["e4e4", "e5e4", "e4e5"])
+@pytest.mark.parametrize("m,n,k", [(77, 48, 1152), (256, 384, 96)])
+def test_accumulate_vs_float64(device, a_dt, b_dt, m, n, k):
+    a, b, out0 = _operands(m, n, k, a_dt, b_dt, device)
+    out = out0.clone()
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    assert sqnr(_reference(a, b, out0), out) >= MIN_SQNR_DB
+    if device.type == "cpu":  # the fallback is exactly GEMM into fp32 plus add
+        expect = out0 + fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float32)
+        torch.testing.assert_close(out, expect, rtol=0, atol=0)
+
+
+def test_pad_inner_and_errors(device):
+    a, b, out0 = _operands(32, 16, 40, E5M2, E4M3, device)  # K = 40 tokens: zero-padded to 48
+    out = out0.clone()
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, pad_inner=True)
+    assert sqnr(_reference(a, b, out0), out) >= MIN_SQNR_DB
+    with pytest.raises(TypeError, match="float32"):
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out.bfloat16(), pad_inner=True)
+    with pytest.raises(ValueError, match=r"\[M, N\]"):
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out.t().contiguous(), pad_inner=True)
+    with pytest.raises(ValueError, match="K=40"):
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    e5 = fe.quantize_current(b.dequantize(torch.float32), E5M2)
+    with pytest.raises(TypeError, match="E5M2 x E5M2"):
+        fp8_mm_accumulate(a.data, a.scale_inv, e5.data, e5.scale_inv, out, pad_inner=True)
+
+
+def test_cublaslt_unavailable_on_cpu_build():
+    # On a machine without a GPU the public entry point says why it cannot run instead of failing inside ctypes.
+    if torch.cuda.is_available():
+        assert cublaslt.available()  # a GPU build must take the accumulate path, never the fallback silently
+    else:
+        assert not cublaslt.available()
+        a, b, out0 = _operands(16, 16, 16, E4M3, E4M3, "cpu")
+        with pytest.raises(RuntimeError, match="needs cuBLASLt on a GPU"):
+            cublaslt.scaled_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out0)
+
+
+@cuda
+def test_unaligned_and_strided_out():
+    a, b, out0 = _operands(64, 32, 64, E4M3, E4M3, "cuda", seed=1)
+    flat = torch.zeros(1 + out0.numel(), device="cuda")
+    out = flat[1:].view_as(out0)  # 4-byte aligned: the heuristic must be told (cuBLASLt fails or misreads else)
+    out.copy_(out0)
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    assert sqnr(_reference(a, b, out0), out) >= MIN_SQNR_DB
+    wide = torch.zeros(64, 64, device="cuda")
+    strided = wide[:, :32]  # not contiguous: the GEMM-plus-add fallback
+    strided.copy_(out0)
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, strided)
+    assert sqnr(_reference(a, b, out0), strided) >= MIN_SQNR_DB
+    assert (wide[:, 32:] == 0).all()
+
+
+@cuda
+def test_cached_plan_reads_each_calls_scales():
+    # Same shape twice with different operands and scale_inv tensors: the cached descriptor must point at the
+    # second call's scales, and beta = 1 must add on top of the first call's result.
+    a1, b1, out0 = _operands(128, 64, 256, E5M2, E4M3, "cuda", seed=2)
+    a2, b2, _ = _operands(128, 64, 256, E5M2, E4M3, "cuda", seed=3)
+    a2 = fe.quantize_current(a2.dequantize(torch.float32) * 1000, E5M2)  # a very different scale
+    out = out0.clone()
+    for a, b in ((a1, b1), (a2, b2)):
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    ref = _reference(a1, b1, out0) + a2.dequantize(torch.float64) @ b2.dequantize(torch.float64).t()
+    assert sqnr(ref, out) >= MIN_SQNR_DB
+
+
+@cuda
+def test_capturable_in_cuda_graph():
+    a, b, out0 = _operands(256, 128, 512, E5M2, E4M3, "cuda", seed=4)
+    out = out0.clone()
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)  # warm-up: plan built outside capture
+    out.copy_(out0)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    out.copy_(out0)
+    graph.replay()
+    graph.replay()
+    prod = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+    assert sqnr(out0.double() + 2 * prod, out) >= MIN_SQNR_DB
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformer_layer_main_grad_matches_grad(dtype):
+    # The layer with fuse_wgrad_accumulation (cuBLASLt accumulate into main_grad) against the same layer without
+    # it (GEMM into the weight dtype): same FP8 operands; main_grad differs from .grad only by the weight dtype's
+    # rounding of the plain layer's wgrad (bf16: ~2^-9 relative -> >= 45 dB; fp32: accumulation order -> 80 dB).
+    torch.manual_seed(0)
+    kw = dict(params_dtype=dtype, device="cuda")
+    fused = fe.TransformerLayer(128, 256, 4, fuse_wgrad_accumulation=True, **kw)
+    plain = fe.TransformerLayer(128, 256, 4, **kw)
+    plain.load_state_dict(fused.state_dict())
+    weights = [n for n, p in fused.named_parameters() if p.dim() == 2]
+    params = dict(fused.named_parameters())
+    for name in weights:
+        params[name].main_grad = torch.zeros_like(params[name], dtype=torch.float32)
+    x, g = torch.randn(64, 2, 128, device="cuda", dtype=dtype), torch.randn(64, 2, 128, device="cuda", dtype=dtype)
+    for layer in (fused, plain):
+        for _ in range(2):  # the second step accumulates on top of the first
+            with fe.autocast(recipe=fe.DelayedScaling()):
+                y = layer(x)
+            y.backward(g)
+    plain_params = dict(plain.named_parameters())
+    for name in weights:
+        assert params[name].grad is None, name
+        assert sqnr(plain_params[name].grad, params[name].main_grad) >= (45.0 if dtype == torch.bfloat16 else 80.0)

@@ -1,0 +1,123 @@
+"""The layer's 12 FP8 GEMMs through ``torch._scaled_mm`` and through ``fp8engine.ops.cublaslt`` with each of
+cuBLASLt's ranked algorithms (a measurement tool, CUDA only, not a benchmark of record).
+
+Prints, per GEMM (qkv / proj / fc1 / fc2 x fprop / dgrad / wgrad at ``[seq * batch]`` tokens):
+- ``_scaled_mm`` as the layer calls it (no bias here, so both sides run the same epilogue);
+- cuBLASLt heuristic algorithm 0 (torch's choice), the fastest of the first ``--algos``, and its index;
+- for wgrad also the ``fuse_wgrad_accumulation`` forms: fp32 GEMM + ``main_grad.add_`` against one accumulating
+  GEMM (beta = 1);
+- max |difference| of algorithm 0 against ``_scaled_mm`` (must be ~0: same math);
+and the host microseconds per call of both entry points (GPU kept busy by a sleep kernel).
+Cases run interleaved over ``--rounds`` rounds; medians reported (the board's clock drifts under its power cap).
+
+Usage: python tools/probe_cublaslt.py [--tokens 8192 --hidden 4096 --ffn 16384] [--algos 16] [--rounds 3]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from fp8engine.bench.common import print_table, time_fn
+from fp8engine.ops import cublaslt
+
+p = argparse.ArgumentParser()
+p.add_argument("--tokens", type=int, default=8192)
+p.add_argument("--hidden", type=int, default=4096)
+p.add_argument("--ffn", type=int, default=16384)
+p.add_argument("--algos", type=int, default=16, help="how many of cuBLASLt's ranked algorithms to time")
+p.add_argument("--rounds", type=int, default=3)
+p.add_argument("--iters", type=int, default=10)
+args = p.parse_args()
+t, h, f = args.tokens, args.hidden, args.ffn
+E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+one = torch.ones((), device="cuda")
+
+
+def gemm_cases():
+    """(name, a [M, K], b [N, K], out dtype, fast accumulation) for the 12 GEMMs: out = a @ b.T"""
+    for name, (k, n) in {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, f), "fc2": (f, h)}.items():
+        x = torch.randn(t, k, device="cuda").to(E4M3)
+        w = torch.randn(n, k, device="cuda").to(E4M3)
+        dy = torch.randn(t, n, device="cuda").to(E5M2)
+        yield f"{name} fprop", x, w, BF16, True
+        yield f"{name} dgrad", dy, w.t().contiguous(), BF16, False
+        yield f"{name} wgrad", dy.t().contiguous(), x.t().contiguous(), BF16, False
+
+
+def main():
+    cases, rows = {}, []
+    for name, a, b, dtype, fast in gemm_cases():
+        out = torch.empty(a.shape[0], b.shape[0], device="cuda", dtype=dtype)
+        ref = torch._scaled_mm(a, b.t(), one, one, out_dtype=dtype, use_fast_accum=fast)
+        group = {"_scaled_mm": lambda a=a, b=b, d=dtype, fa=fast: torch._scaled_mm(a, b.t(), one, one, out_dtype=d,
+                                                                                    use_fast_accum=fa)}
+        for i in range(args.algos):
+            try:
+                cublaslt.scaled_mm(a, one, b, one, out, use_fast_accum=fast, algo_index=i)
+            except (IndexError, cublaslt.CublasLtError) as err:
+                if i == 0:
+                    raise
+                print(f"{name}: algorithm {i}: {err}")
+                break
+            if i == 0:
+                diff = (out.float() - ref.float()).abs().max().item()
+            group[f"algo {i}"] = lambda a=a, b=b, o=out, fa=fast, i=i: cublaslt.scaled_mm(
+                a, one, b, one, o, use_fast_accum=fa, algo_index=i)
+        if name.endswith("wgrad"):
+            main_grad = torch.zeros(a.shape[0], b.shape[0], device="cuda")
+            group["fp32 GEMM + add_"] = lambda a=a, b=b, mg=main_grad: mg.add_(
+                torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.float32))
+            group["accumulating GEMM"] = lambda a=a, b=b, mg=main_grad: cublaslt.scaled_mm_accumulate(
+                a, one, b, one, mg)
+        cases[name] = (group, 2.0 * a.shape[0] * a.shape[1] * b.shape[0], diff)
+    times = {(name, c): [] for name, (group, _, _) in cases.items() for c in group}
+    for _ in range(args.rounds):
+        for name, (group, _, _) in cases.items():
+            for c, fn in group.items():
+                times[(name, c)].append(time_fn(fn, warmup=3, iters=args.iters))
+    total = {"_scaled_mm": 0.0, "algo 0": 0.0, "best algo": 0.0}
+    for name, (group, flop, diff) in cases.items():
+        med = {c: statistics.median(times[(name, c)]) for c in group}
+        algos = {c: v for c, v in med.items() if c.startswith("algo ")}
+        best = min(algos, key=algos.get)
+        total["_scaled_mm"] += med["_scaled_mm"]
+        total["algo 0"] += med["algo 0"]
+        total["best algo"] += med[best]
+        row = {"gemm": name, "_scaled_mm ms": med["_scaled_mm"], "algo 0 ms": med["algo 0"],
+               "best ms": med[best], "best": best, "best TFLOP/s": flop / med[best] / 1e9,
+               "algos": len(algos), "max|algo0 - _scaled_mm|": diff}
+        if "accumulating GEMM" in med:
+            row["fp32 GEMM + add_ ms"] = med["fp32 GEMM + add_"]
+            row["accumulating ms"] = med["accumulating GEMM"]
+        rows.append(row)
+    print_table(rows)
+    print("sum of the 12 GEMMs (ms):", {k: round(v, 3) for k, v in total.items()})
+
+
+def host_cost():
+    a = torch.randn(64, 64, device="cuda").to(E4M3)
+    out = torch.empty(64, 64, device="cuda", dtype=BF16)
+    mg = torch.zeros(64, 64, device="cuda")
+    cases = {
+        "torch._scaled_mm (bf16 out)": lambda: torch._scaled_mm(a, a.t(), one, one, out_dtype=BF16),
+        "cublaslt.scaled_mm (bf16 out)": lambda: cublaslt.scaled_mm(a, one, a, one, out),
+        "torch._scaled_mm fp32 + add_": lambda: mg.add_(torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.float32)),
+        "cublaslt.scaled_mm_accumulate": lambda: cublaslt.scaled_mm_accumulate(a, one, a, one, mg),
+    }
+    rows = []
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        rows.append({"call": name, "host us": (time.perf_counter() - t0) / 200 * 1e6})
+        torch.cuda.synchronize()
+    print_table(rows)
+
+
+host_cost()
+main()
