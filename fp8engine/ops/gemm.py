@@ -83,7 +83,7 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     """``out += (a * a_scale_inv) @ (b * b_scale_inv).T`` into a float32 ``out [M, N]`` (``fuse_wgrad_accumulation``).
 
     On CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1, :mod:`fp8engine.ops.cublaslt`); on CPU,
-    or when ``out`` is not contiguous, it is :func:`fp8_mm` into float32 plus ``out.add_``. The two differ only in
+    or when ``out`` is not contiguous or not 16-byte aligned (cuBLASLt's FP8 kernels refuse that: status 15), it is :func:`fp8_mm` into float32 plus ``out.add_``. The two differ only in
     rounding: cuBLASLt adds the fp32 product to ``out`` in its epilogue before one rounding, the fallback rounds the
     product to fp32 first. Operands and errors as :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also
     ``TypeError`` when ``out`` is not float32 and ``ValueError`` when it is not shaped ``[M, N]``.
@@ -92,7 +92,7 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
         raise TypeError(f"fp8_mm_accumulate accumulates into float32, got out of dtype {out.dtype}")
     if tuple(out.shape) != (a.shape[0], b.shape[0]):
         raise ValueError(f"fp8_mm_accumulate: out must be [M, N] = {(a.shape[0], b.shape[0])}, got {tuple(out.shape)}")
-    if out.is_cuda and out.is_contiguous() and cublaslt.available():
+    if out.is_cuda and out.is_contiguous() and out.data_ptr() % 16 == 0 and cublaslt.available():
         if a.dtype not in _FP8 or b.dtype not in _FP8:
             raise TypeError(f"fp8_mm_accumulate operands must be FP8, got {a.dtype} and {b.dtype}")
         if pad_inner and a.shape[1] % _ALIGN:
