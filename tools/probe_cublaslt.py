@@ -7,6 +7,7 @@ Prints, per GEMM (qkv / proj / fc1 / fc2 x fprop / dgrad / wgrad at ``[seq * bat
 - for wgrad also the ``fuse_wgrad_accumulation`` forms: fp32 GEMM + ``main_grad.add_`` against one accumulating
   GEMM (beta = 1);
 - max |difference| of algorithm 0 against ``_scaled_mm`` (must be ~0: same math);
+- for fprop also torch's rowwise-scaled dispatch with all scales equal (same math, a CUTLASS kernel on sm90);
 and the host microseconds per call of both entry points (GPU kept busy by a sleep kernel).
 Cases run interleaved over ``--rounds`` rounds; medians reported (the board's clock drifts under its power cap).
 
@@ -41,6 +42,7 @@ def gemm_cases():
         w = torch.randn(n, k, device="cuda").to(E4M3)
         dy = torch.randn(t, n, device="cuda").to(E5M2)
         yield f"{name} fprop", x, w, BF16, True
+        yield f"{name} fprop rowwise", x, w, BF16, True
         yield f"{name} dgrad", dy, w.t().contiguous(), BF16, False
         yield f"{name} wgrad", dy.t().contiguous(), x.t().contiguous(), BF16, False
 
@@ -52,6 +54,12 @@ def main():
         ref = torch._scaled_mm(a, b.t(), one, one, out_dtype=dtype, use_fast_accum=fast)
         group = {"_scaled_mm": lambda a=a, b=b, d=dtype, fa=fast: torch._scaled_mm(a, b.t(), one, one, out_dtype=d,
                                                                                     use_fast_accum=fa)}
+        if name.endswith("rowwise"):  # torch's rowwise dispatch (CUTLASS on sm90) with every scale equal
+            ra, rb = one.expand(a.shape[0], 1).contiguous(), one.expand(1, b.shape[0]).contiguous()
+            group["rowwise _scaled_mm"] = lambda a=a, b=b, ra=ra, rb=rb: torch._scaled_mm(
+                a, b.t(), ra, rb, out_dtype=BF16, use_fast_accum=True)
+            cases[name] = (group, 2.0 * a.shape[0] * a.shape[1] * b.shape[0], 0.0)
+            continue
         for i in range(args.algos):
             try:
                 cublaslt.scaled_mm(a, one, b, one, out, use_fast_accum=fast, algo_index=i)
@@ -76,9 +84,12 @@ def main():
         for name, (group, _, _) in cases.items():
             for c, fn in group.items():
                 times[(name, c)].append(time_fn(fn, warmup=3, iters=args.iters))
-    total = {"_scaled_mm": 0.0, "algo 0": 0.0, "best algo": 0.0}
+    total, rowwise = {"_scaled_mm": 0.0, "algo 0": 0.0, "best algo": 0.0}, []
     for name, (group, flop, diff) in cases.items():
         med = {c: statistics.median(times[(name, c)]) for c in group}
+        if "rowwise _scaled_mm" in med:
+            rowwise.append({"gemm": name, "_scaled_mm ms": med["_scaled_mm"], "rowwise ms": med["rowwise _scaled_mm"]})
+            continue
         algos = {c: v for c, v in med.items() if c.startswith("algo ")}
         best = min(algos, key=algos.get)
         total["_scaled_mm"] += med["_scaled_mm"]
@@ -92,6 +103,7 @@ def main():
             row["accumulating ms"] = med["accumulating GEMM"]
         rows.append(row)
     print_table(rows)
+    print_table(rowwise)
     print("sum of the 12 GEMMs (ms):", {k: round(v, 3) for k, v in total.items()})
 
 

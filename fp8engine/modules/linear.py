@@ -30,7 +30,8 @@ class Linear(FP8Module):
         init_method: ``fn(weight)`` initialising the ``[N, K]`` weight in place (bias then zeroed, as in
             Megatron); default ``torch.nn.Linear``'s initialisation.
         fuse_wgrad_accumulation: weight gradients are added to an fp32 ``weight.main_grad`` that the user
-            allocates; ``weight.grad`` stays None.
+            allocates; ``weight.grad`` stays None. Under FP8 on CUDA the wgrad GEMM accumulates into
+            ``main_grad`` itself (cuBLASLt, beta = 1; ``fp8engine.ops.gemm.fp8_mm_accumulate``).
     Shapes: input ``[*, K]`` -> output ``[*, N]`` in the input's dtype.
     """
 

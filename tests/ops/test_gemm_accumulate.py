@@ -11,11 +11,11 @@ from tests.conftest import sqnr
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuBLASLt accumulate path needs a GPU")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
-# Bound for the accumulating GEMM against float64: the products of two FP8 values are exact in fp32, so the only
-# error is fp32 accumulation (relative ~1e-7 per add, K <= 1152 terms): >= 80 dB. A wrong beta, scale pointer or
-# operand layout gives 0-30 dB (the FP8 quantization noise of the operands alone is ~25-30 dB against the
-# unquantized inputs, but the reference here is built from the dequantized operands, so it does not count).
-MIN_SQNR_DB = 80.0
+# Bound for the FP8 GEMM against float64 on the dequantized operands: products of two FP8 values are exact, but
+# Hopper's FP8 tensor cores keep only ~14 bits while they sum a chunk of products before cuBLASLt promotes the
+# chunk to fp32 (DeepSeek-V3 technical report, sec. 3.3.2): relative error up to ~2^-14 -> >= 60 dB (79-80 dB
+# measured on H200; on CPU the GEMM is fp32, ~140 dB). A wrong beta, scale pointer or operand layout gives < 30 dB.
+MIN_SQNR_DB = 60.0
 
 
 def _operands(m, n, k, a_dt, b_dt, device, seed=0):
@@ -123,9 +123,10 @@ def test_capturable_in_cuda_graph():
 def test_transformer_layer_main_grad_matches_grad(dtype):
     # The layer with fuse_wgrad_accumulation (cuBLASLt accumulate into main_grad) against the same layer without
     # it (GEMM into the weight dtype): same FP8 operands; main_grad differs from .grad only by the weight dtype's
-    # rounding of the plain layer's wgrad (bf16: ~2^-9 relative -> >= 45 dB; fp32: accumulation order -> 80 dB).
+    # rounding of the plain layer's wgrad (bf16: 2^-9 relative per rounding, rounded twice -> >= 45 dB; fp32:
+    # the FP8 GEMM's own accumulation error, see MIN_SQNR_DB; bit-identical on H200 with cuBLAS 13).
     torch.manual_seed(0)
-    kw = dict(params_dtype=dtype, device="cuda")
+    kw = dict(params_dtype=dtype, device="cuda", hidden_dropout=0.0, attention_dropout=0.0)  # same math in both
     fused = fe.TransformerLayer(128, 256, 4, fuse_wgrad_accumulation=True, **kw)
     plain = fe.TransformerLayer(128, 256, 4, **kw)
     plain.load_state_dict(fused.state_dict())
@@ -142,4 +143,5 @@ def test_transformer_layer_main_grad_matches_grad(dtype):
     plain_params = dict(plain.named_parameters())
     for name in weights:
         assert params[name].grad is None, name
-        assert sqnr(plain_params[name].grad, params[name].main_grad) >= (45.0 if dtype == torch.bfloat16 else 80.0)
+        db = sqnr(plain_params[name].grad, params[name].main_grad)
+        assert db >= (45.0 if dtype == torch.bfloat16 else MIN_SQNR_DB), (name, db)
