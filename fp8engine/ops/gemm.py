@@ -19,7 +19,6 @@ from fp8engine.ops import cublaslt
 
 __all__ = ["fp8_gemm", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
 
-_FPROP_ROWWISE = False  # EXPERIMENT (tools/ab_rowwise.py)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ALIGN = 16  # cuBLASLt FP8 requires K and N to be multiples of 16 (torch._scaled_mm checks it on CUDA)
 
@@ -72,14 +71,6 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
     if n % _ALIGN:
         raise ValueError(f"FP8 GEMM output dim N={n} is not a multiple of 16; pad the feature dim to a multiple of 16")
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
-    if _FPROP_ROWWISE and use_fast_accum and a.is_cuda and out_dtype == torch.bfloat16:
-        sa = a_scale_inv.reshape(1, 1).expand(a.shape[0], 1).contiguous()
-        sb = b_scale_inv.reshape(1, 1).expand(1, n).contiguous()
-        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias if fused_bias else None,
-                               out_dtype=out_dtype, use_fast_accum=True)
-        if bias is not None and not fused_bias:
-            out = out + bias.to(out_dtype)
-        return out
     out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv.reshape(()), scale_b=b_scale_inv.reshape(()),
                            bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     if bias is not None and not fused_bias:
