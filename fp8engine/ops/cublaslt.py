@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -212,7 +213,8 @@ def scaled_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Te
 
 
 def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
-              out: torch.Tensor, *, accumulate: bool = False, use_fast_accum: bool = False, algo_index: int = 0) -> None:
+              out: torch.Tensor, *, accumulate: bool = False, use_fast_accum: bool = False,
+              algo_index: int = 0) -> None:
     """``out (+)= (a * a_scale_inv) @ (b * b_scale_inv).T`` through cuBLASLt; ``out`` float32 / bfloat16 / float16
     ``[M, N]`` contiguous. ``algo_index`` picks the i-th algorithm of cuBLASLt's heuristic ranking (0 = its first
     choice, what ``torch._scaled_mm`` runs); ``tools/probe_cublaslt.py`` times the others. Operands and errors as
@@ -247,7 +249,9 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
     key = (out.device.index, n, m, k, _FP8_CUDA_TYPE[b.dtype], _FP8_CUDA_TYPE[a.dtype], _OUT_CUDA_TYPE[out.dtype],
            align, bool(use_fast_accum), algo_index)
     lib, handle = ctx.lib, ctx.handle(out.device)
-    with ctx.lock:
+    # cuBLASLt launches on the current device: make it out's (autograd's backward threads already have it current)
+    guard = nullcontext() if torch.cuda.current_device() == out.device.index else torch.cuda.device(out.device)
+    with ctx.lock, guard:
         plan = ctx.plans.get(key)
         if plan is None:
             plan = ctx.plans[key] = _Plan(lib, handle, key[1:])

@@ -82,10 +82,11 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
                       out: torch.Tensor, *, pad_inner: bool = False) -> None:
     """``out += (a * a_scale_inv) @ (b * b_scale_inv).T`` into a float32 ``out [M, N]`` (``fuse_wgrad_accumulation``).
 
-    On CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1, :mod:`fp8engine.ops.cublaslt`); on CPU,
-    or when ``out`` is not contiguous or not 16-byte aligned (cuBLASLt's FP8 kernels refuse that: status 15), it is :func:`fp8_mm` into float32 plus ``out.add_``. The two differ only in
-    rounding: cuBLASLt adds the fp32 product to ``out`` in its epilogue before one rounding, the fallback rounds the
-    product to fp32 first. Operands and errors as :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also
+    On CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1, :mod:`fp8engine.ops.cublaslt`). On
+    CPU, or when ``out`` is not contiguous or not 16-byte aligned (cuBLASLt's FP8 kernels refuse that: status 15),
+    it is :func:`fp8_mm` into float32 plus ``out.add_``. Both add the same fp32 GEMM result to ``out`` (bit-identical
+    on H200 in ``tests/ops/test_gemm_accumulate.py``, up to the algorithm cuBLASLt picks). Operands and errors as
+    :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also
     ``TypeError`` when ``out`` is not float32 and ``ValueError`` when it is not shaped ``[M, N]``.
     """
     if out.dtype != torch.float32:

@@ -20,7 +20,8 @@ from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand
 from fp8engine.ops.gemm import fp8_gemm, fp8_mm, fp8_mm_accumulate
 
-__all__ = ["fp8_linear", "LINEAR_ROLES", "main_grad_of", "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
+__all__ = ["fp8_linear", "LINEAR_ROLES", "main_grad_of", "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad",
+           "linear_backward"]
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")

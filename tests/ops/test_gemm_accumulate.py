@@ -14,7 +14,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Bound for the FP8 GEMM against float64 on the dequantized operands: products of two FP8 values are exact, but
 # Hopper's FP8 tensor cores keep only ~14 bits while they sum a chunk of products before cuBLASLt promotes the
 # chunk to fp32 (DeepSeek-V3 technical report, sec. 3.3.2): relative error up to ~2^-14 -> >= 60 dB (lowest
-# measured on H200 79.4 dB; on CPU the GEMM is fp32, ~140 dB). A wrong beta, scale pointer or operand layout gives < 30 dB.
+# measured on H200 79.4 dB; on CPU the GEMM is fp32, ~140 dB). A wrong beta, scale pointer or operand layout
+# gives < 30 dB.
 MIN_SQNR_DB = 60.0
 
 
@@ -145,3 +146,14 @@ def test_transformer_layer_main_grad_matches_grad(dtype):
         assert params[name].grad is None, name
         db = sqnr(plain_params[name].grad, params[name].main_grad)
         assert db >= (45.0 if dtype == torch.bfloat16 else MIN_SQNR_DB), (name, db)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_operands_on_another_gpu_than_the_current_one():
+    # A cuBLASLt handle and the launch belong to the current device; the call must switch to out's device.
+    a, b, out0 = _operands(64, 32, 64, E5M2, E4M3, "cuda:1", seed=5)
+    assert torch.cuda.current_device() == 0
+    out = out0.clone()
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    assert torch.cuda.current_device() == 0 and out.device == torch.device("cuda:1")
+    assert sqnr(_reference(a, b, out0), out) >= MIN_SQNR_DB
