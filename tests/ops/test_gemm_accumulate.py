@@ -151,7 +151,8 @@ def test_transformer_layer_main_grad_matches_grad(dtype):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_operands_on_another_gpu_than_the_current_one():
     # A cuBLASLt handle and the launch belong to the current device; the call must switch to out's device.
-    a, b, out0 = _operands(64, 32, 64, E5M2, E4M3, "cuda:1", seed=5)
+    with torch.cuda.device(1):  # the operands are made on GPU 1 (its Triton casts launch there)
+        a, b, out0 = _operands(64, 32, 64, E5M2, E4M3, "cuda:1", seed=5)
     assert torch.cuda.current_device() == 0
     out = out0.clone()
     fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
