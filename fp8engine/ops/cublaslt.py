@@ -38,8 +38,8 @@ _DESC_FAST_ACCUM = 25
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # MIN_ALIGNMENT_{A,B,C,D}_BYTES
 
-#: Largest workspace the heuristic may ask for: 32 MiB, what torch gives cuBLASLt on Hopper
-#: (``CUBLASLT_WORKSPACE_SIZE`` default); the call allocates only what the chosen algorithm needs.
+#: Largest workspace the heuristic may plan with: 32 MiB, an upper bound chosen here (the heuristic reports what
+#: the chosen algorithm needs, and each call allocates only that from torch's caching allocator).
 _MAX_WORKSPACE_BYTES = 32 * 1024 * 1024
 
 _FP8_CUDA_TYPE = {torch.float8_e4m3fn: _CUDA_R_8F_E4M3, torch.float8_e5m2: _CUDA_R_8F_E5M2}
