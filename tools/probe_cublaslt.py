@@ -15,11 +15,10 @@ Usage: python tools/probe_cublaslt.py [--tokens 8192 --hidden 4096 --ffn 16384] 
 """
 import argparse
 import statistics
-import time
 
 import torch
 
-from fp8engine.bench.common import print_table, time_fn
+from fp8engine.bench.common import host_us_per_call, print_table, time_fn
 from fp8engine.ops import cublaslt
 
 p = argparse.ArgumentParser()
@@ -84,7 +83,7 @@ def main():
         for name, (group, _, _) in cases.items():
             for c, fn in group.items():
                 times[(name, c)].append(time_fn(fn, warmup=3, iters=args.iters))
-    total, rowwise = {"_scaled_mm": 0.0, "algo 0": 0.0, "best algo": 0.0}, []
+    total, rowwise, accumulate = {"_scaled_mm": 0.0, "algo 0": 0.0, "best algo": 0.0}, [], []
     for name, (group, flop, diff) in cases.items():
         med = {c: statistics.median(times[(name, c)]) for c in group}
         if "rowwise _scaled_mm" in med:
@@ -98,12 +97,13 @@ def main():
         row = {"gemm": name, "_scaled_mm ms": med["_scaled_mm"], "algo 0 ms": med["algo 0"],
                "best ms": med[best], "best": best, "best TFLOP/s": flop / med[best] / 1e9,
                "algos": len(algos), "max|algo0 - _scaled_mm|": diff}
-        if "accumulating GEMM" in med:
-            row["fp32 GEMM + add_ ms"] = med["fp32 GEMM + add_"]
-            row["accumulating ms"] = med["accumulating GEMM"]
+        if "accumulating GEMM" in med:  # its own table: print_table takes its columns from the first row
+            accumulate.append({"gemm": name, "fp32 GEMM + add_ ms": med["fp32 GEMM + add_"],
+                               "accumulating GEMM ms": med["accumulating GEMM"]})
         rows.append(row)
     print_table(rows)
     print_table(rowwise)
+    print_table(accumulate)
     print("sum of the 12 GEMMs (ms):", {k: round(v, 3) for k, v in total.items()})
 
 
@@ -117,18 +117,7 @@ def host_cost():
         "torch._scaled_mm fp32 + add_": lambda: mg.add_(torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.float32)),
         "cublaslt.scaled_mm_accumulate": lambda: cublaslt.scaled_mm_accumulate(a, one, a, one, mg),
     }
-    rows = []
-    for name, fn in cases.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn()
-        rows.append({"call": name, "host us": (time.perf_counter() - t0) / 200 * 1e6})
-        torch.cuda.synchronize()
-    print_table(rows)
+    print_table([{"call": name, "host us": host_us_per_call(fn)} for name, fn in cases.items()])
 
 
 host_cost()

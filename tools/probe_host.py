@@ -3,14 +3,13 @@ debug mode), and the host microseconds of the single calls a step is made of (GP
 
 Usage: python tools/probe_host.py
 """
-import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 import fp8engine as fe
-from fp8engine.bench.common import print_table
+from fp8engine.bench.common import host_us_per_call, print_table
 from fp8engine.modules.transformer import TransformerLayer
 
 s, b, h, f, heads = 2048, 4, 4096, 16384, 32
@@ -79,16 +78,9 @@ cases = {
 rows = []
 for name, fn in cases.items():
     try:
-        for _ in range(20):
-            fn()
+        fn()
     except Exception as e:  # a call this torch cannot run: say so in the table
         rows.append({"call": name, "host us": f"error: {str(e).splitlines()[0][:60]}"})
         continue
-    torch.cuda.synchronize()
-    torch.cuda._sleep(300_000_000)
-    t0 = time.perf_counter()
-    for _ in range(200):
-        fn()
-    rows.append({"call": name, "host us": (time.perf_counter() - t0) / 200 * 1e6})
-    torch.cuda.synchronize()
+    rows.append({"call": name, "host us": host_us_per_call(fn)})
 print_table(rows)

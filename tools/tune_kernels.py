@@ -8,11 +8,10 @@ Usage: python tools/tune_kernels.py [--only act|qkv|host]
 """
 import argparse
 import os
-import time
 
 import torch
 
-from fp8engine.bench.common import print_table, time_back_to_back, time_fn
+from fp8engine.bench.common import host_us_per_call, print_table, time_back_to_back, time_fn
 from fp8engine.kernels import activation as act
 from fp8engine.kernels import cast
 from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
@@ -142,19 +141,7 @@ def host_cost():
         num_warps=4)
     cases["compiled launcher replayed (CompiledKernel.run)"] = lambda: real_run(*captured[0])
     cases["torch.cuda.current_stream().cuda_stream"] = lambda: torch.cuda.current_stream().cuda_stream
-    rows = []
-    for name, fn in cases.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn()
-        us = (time.perf_counter() - t0) / 200 * 1e6
-        torch.cuda.synchronize()
-        rows.append({"call": name, "host us": us})
-    print_table(rows)
+    print_table([{"call": name, "host us": host_us_per_call(fn)} for name, fn in cases.items()])
 
 
 if args.only in (None, "act"):

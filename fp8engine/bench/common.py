@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["time_fn", "time_back_to_back", "peak_memory_gib", "print_table", "write_json", "env_info"]
+__all__ = ["time_fn", "time_back_to_back", "host_us_per_call", "peak_memory_gib", "print_table", "write_json", "env_info"]
 
 
 def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
@@ -65,6 +65,23 @@ def time_back_to_back(fn: Callable[[], object], *, steps: int = 5, repeats: int 
         end.synchronize()
         times.append(start.elapsed_time(end) / steps)
     return statistics.median(times)
+
+
+def host_us_per_call(fn: Callable[[], object], *, calls: int = 200, warmup: int = 20,
+                     sleep_cycles: int = 300_000_000) -> float:
+    """Host microseconds per call of ``fn()`` on CUDA: ``warmup`` calls, then ``calls`` calls timed with
+    ``time.perf_counter`` while a ``torch.cuda._sleep`` kernel keeps the GPU busy, so the host never waits for it
+    (``sleep_cycles`` GPU clock cycles must outlast the calls' host time)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(sleep_cycles)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 def peak_memory_gib(reset: bool = False) -> float:

@@ -83,24 +83,24 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     """``out += (a * a_scale_inv) @ (b * b_scale_inv).T`` into a float32 ``out [M, N]`` (``fuse_wgrad_accumulation``).
 
     On CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1, :mod:`fp8engine.ops.cublaslt`). On
-    CPU, or when ``out`` is not contiguous or not 16-byte aligned (cuBLASLt's FP8 kernels refuse that: status 15),
-    it is :func:`fp8_mm` into float32 plus ``out.add_``. Both add the same fp32 GEMM result to ``out`` (bit-identical
-    on H200 in ``tests/ops/test_gemm_accumulate.py``, up to the algorithm cuBLASLt picks). Operands and errors as
-    :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also
-    ``TypeError`` when ``out`` is not float32 and ``ValueError`` when it is not shaped ``[M, N]``.
+    CPU, or when ``out`` is not contiguous or an operand is not 16-byte aligned (cuBLASLt's FP8 kernels refuse a
+    4-byte-aligned output: status 15), it is :func:`fp8_mm` into float32 plus ``out.add_``. Both add the same fp32
+    GEMM result to ``out`` (bit-identical on H200 in ``tests/ops/test_gemm_accumulate.py``, up to the algorithm
+    cuBLASLt picks). Operands and errors as :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also ``TypeError``
+    when ``out`` is not float32 and ``ValueError`` when it is not shaped ``[M, N]``.
     """
     if out.dtype != torch.float32:
         raise TypeError(f"fp8_mm_accumulate accumulates into float32, got out of dtype {out.dtype}")
     if tuple(out.shape) != (a.shape[0], b.shape[0]):
         raise ValueError(f"fp8_mm_accumulate: out must be [M, N] = {(a.shape[0], b.shape[0])}, got {tuple(out.shape)}")
-    if out.is_cuda and out.is_contiguous() and out.data_ptr() % 16 == 0 and cublaslt.available():
-        if a.dtype not in _FP8 or b.dtype not in _FP8:
-            raise TypeError(f"fp8_mm_accumulate operands must be FP8, got {a.dtype} and {b.dtype}")
+    if out.is_cuda and out.is_contiguous() and cublaslt.available():
         if pad_inner and a.shape[1] % _ALIGN:
             a, b = _pad_last(a, _ALIGN), _pad_last(b, _ALIGN)
-        cublaslt.scaled_mm_accumulate(a.contiguous(), a_scale_inv, b.contiguous(), b_scale_inv, out)
-    else:
-        out.add_(fp8_mm(a, a_scale_inv, b, b_scale_inv, torch.float32, pad_inner=pad_inner))
+        a, b = a.contiguous(), b.contiguous()
+        if all(t.data_ptr() % 16 == 0 for t in (a, b, out)):  # cuBLASLt checks dtypes and shapes
+            cublaslt.scaled_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out)
+            return
+    out.add_(fp8_mm(a, a_scale_inv, b, b_scale_inv, torch.float32, pad_inner=pad_inner))
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, bias=None, use_fast_accum=False,
