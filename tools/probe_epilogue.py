@@ -35,6 +35,7 @@ p.add_argument("--tokens", type=int, default=8192)
 p.add_argument("--hidden", type=int, default=4096)
 p.add_argument("--ffn", type=int, default=16384)
 p.add_argument("--rounds", type=int, default=5)
+p.add_argument("--bwd", action="store_true", help="also the DGELU_BGRAD variants (batch s7a: FP8 D refused, bf16 D slower)")
 args = p.parse_args()
 M, H, F = args.tokens, args.hidden, args.ffn
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
@@ -73,7 +74,7 @@ class Gemm:
     """Row-major ``out [m, n] = epi(a [m, k] @ b [n, k].T)``: cuBLASLt TN with A = b, B = a (cublaslt.py's form)."""
 
     def __init__(self, a, b, out, *, epilogue, fast_accum, bias=None, aux=None, d_scale=None, amax=None,
-                 a_si=None, b_si=None):
+                 a_si=None, b_si=None, c=None):
         (m, k), n = a.shape, b.shape[0]
         self.desc = ctypes.c_void_p()
         lt._check(lib.MatmulDescCreate(ctypes.byref(self.desc), 68, 0), "desc")
@@ -110,12 +111,15 @@ class Gemm:
         self.res = res[0]
         self.ws = torch.empty(max(1, int(self.res.workspace_size)), dtype=torch.uint8, device=dev)
         self.a, self.b, self.out = a, b, out
+        # C (never read: beta = 0) is D when it has D's type, else ``c`` (a bf16 buffer) or NULL; cuBLASLt refuses
+        # C == D with different layouts (status 7)
+        self.c = out.data_ptr() if c_type == CT[out.dtype] else (None if c is None else c.data_ptr())
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def __call__(self):
         o = self.out.data_ptr()
         lt._check(lib.Matmul(handle, self.desc, ctypes.byref(self.one), self.b.data_ptr(), self.la, self.a.data_ptr(),
-                             self.lb, ctypes.byref(self.zero), o, self.lc, o, self.ld, ctypes.byref(self.res.algo),
+                             self.lb, ctypes.byref(self.zero), self.c, self.lc, o, self.ld, ctypes.byref(self.res.algo),
                              self.ws.data_ptr(), int(self.res.workspace_size),
                              torch.cuda.current_stream().cuda_stream), "matmul")
         return self.out
@@ -163,14 +167,15 @@ def fwd_kernels():
 
 
 timers["fwd: _scaled_mm + gelu_fwd"] = fwd_kernels
-for aux_dtype in (BF16,):
-    name = f"fwd: GELU_AUX_BIAS, FP8 D, {aux_dtype} aux"
+c_buf = torch.empty(M, F, dtype=BF16, device=dev)
+for aux_dtype, c, fast in ((BF16, None, True), (BF16, c_buf, True), (BF16, None, False)):
+    name = f"fwd: GELU_AUX_BIAS, FP8 D, {aux_dtype} aux, C {'NULL' if c is None else 'buffer'}, fast_accum {fast}"
     try:
         d8 = torch.empty(M, F, dtype=E4M3, device=dev)
         aux = torch.empty(M, F, dtype=aux_dtype, device=dev)
         amax_e = torch.full((1,), 1e9, device=dev)  # poisoned: tells overwrite from max-accumulate
-        g = Gemm(x8, w18, d8, epilogue=C["CUBLASLT_EPILOGUE_GELU_AUX_BIAS"], fast_accum=True, bias=b1, aux=aux,
-                 d_scale=a_scale, amax=amax_e, a_si=x_si, b_si=w1_si)
+        g = Gemm(x8, w18, d8, epilogue=C["CUBLASLT_EPILOGUE_GELU_AUX_BIAS"], fast_accum=fast, bias=b1, aux=aux,
+                 d_scale=a_scale, amax=amax_e, a_si=x_si, b_si=w1_si, c=c)
         g()
         torch.cuda.synchronize()
         amax_after = amax_e.item()
@@ -207,7 +212,7 @@ def bwd_kernels():
 
 timers["bwd: _scaled_mm + gelu_bwd_cast_transpose"] = bwd_kernels
 ref_dh = da_ref.double() * dgelu64(h_ref)
-for out_dtype, bias_dtype in ((E5M2, BF16), (E5M2, torch.float32), (BF16, BF16)):
+for out_dtype, bias_dtype in (((E5M2, BF16), (E5M2, torch.float32), (BF16, BF16)) if args.bwd else ()):
     name = f"bwd: DGELU_BGRAD, {out_dtype} D, {bias_dtype} dbias"
     try:
         dd = torch.empty(M, F, dtype=out_dtype, device=dev)
