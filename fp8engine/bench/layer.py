@@ -130,6 +130,11 @@ def run_single(args) -> list[dict]:
              ("fp8engine TransformerLayer fp8 delayed, fuse_wgrad_accumulation (fp32 main_grad)",
               _ours(h, f, heads, dev, fuse_wgrad=True), fe.DelayedScaling()),
              (_CACHED, ours, fe.DelayedScaling())]
+    if dev == "cuda":  # the A/B of fc1's GELU epilogue: the same layer with the GEMM + Triton GELU kernel
+        no_epilogue = _ours(h, f, heads, dev)
+        no_epilogue.layernorm_mlp.gelu_epilogue = False
+        cases.append(("fp8engine TransformerLayer fp8 delayed, fc1 GEMM + GELU kernel (no epilogue)", no_epilogue,
+                      fe.DelayedScaling()))
     if not args.no_torchao and dev == "cuda" and torchao_available():
         cases += [("torchao.float8 tensorwise eager", torchao_float8(plain), None),
                   ("torchao.float8 tensorwise compile", torchao_float8(plain, compile=True), None)]

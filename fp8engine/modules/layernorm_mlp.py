@@ -48,6 +48,10 @@ class LayerNormMLP(FP8Module):
     #: FP8 path: fc1 -> activation -> fc2 as one autograd node (:func:`fp8engine.ops.mlp.fp8_mlp`). False runs
     #: the equivalent three-node composition (tests compare the two).
     _fused = True
+    #: GELU on a GPU: fc1's GEMM applies it in cuBLASLt's epilogue and writes fc2's FP8 input itself
+    #: (:func:`fp8engine.ops.mlp.fc1_fprop_act`). False: the GEMM, then the Triton activation kernel (benchmarks
+    #: compare the two).
+    gelu_epilogue = True
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu",
                  normalization: str = "LayerNorm", bias: bool = True, eps: float = 1e-5,
@@ -121,7 +125,8 @@ class LayerNormMLP(FP8Module):
         w2 = self.fp8_weight("fc2_weight", self.fc2_weight, "fc2_weight", plan, is_first_microbatch)
         mlp = fp8_mlp if self._fused else _unfused_fp8_mlp
         y = mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation, st, plan,
-                w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=fuse, rows=_FC1_ROWS + _FC2_ROWS)
+                w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=fuse, rows=_FC1_ROWS + _FC2_ROWS,
+                gelu_epilogue=self.gelu_epilogue)
         return y, ln, s
 
     def extra_repr(self) -> str:

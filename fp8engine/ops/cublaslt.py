@@ -1,10 +1,14 @@
-"""An FP8 GEMM that accumulates into its output: cuBLASLt's ``D = alpha * (A @ B) + beta * C`` with ``beta = 1``,
-called through ``ctypes`` on the cuBLASLt library the CUDA build of torch already loaded (no C++ build).
+"""The FP8 GEMMs ``torch._scaled_mm`` cannot express, called through ``ctypes`` on the cuBLASLt library the CUDA
+build of torch already loaded (no C++ build): accumulation into the output (cuBLASLt's
+``D = alpha * (A @ B) + beta * C`` with ``beta = 1``) and the ``GELU_AUX_BIAS`` epilogue with an FP8 output.
 
 ``torch._scaled_mm`` (and ``torch.nn.functional.scaled_mm``, torch 2.11-2.13) has no accumulate input, so
 ``fuse_wgrad_accumulation`` would otherwise be a GEMM into a fresh fp32 tensor plus ``main_grad.add_`` (one more
 fp32 write and two fp32 reads of the weight's size). TransformerEngine makes the same cuBLASLt call with
-``accumulate=True`` for its wgrad into ``main_grad``.
+``accumulate=True`` for its wgrad into ``main_grad``. The GELU epilogue lets fc1's fprop write the FP8 GELU output
+(and the pre-activation for the backward) itself, instead of a bf16 output that an activation kernel reads again
+(``tools/probe_epilogue.py``: -0.08 ms per layer step on H200; the backward's ``DGELU_BGRAD`` has no FP8-output
+kernel there, status 15, and with a bf16 output it is slower than the GEMM + Triton kernel).
 
 Layout: torch tensors are row-major and cuBLASLt is column-major, so the row-major ``out [M, N] += a [M, K] @ b.T``
 (``b [N, K]``) is the column-major ``out^T [N, M] += op_T(b) @ a`` -- cuBLASLt's "TN" form, the only one its FP8
@@ -13,7 +17,8 @@ kernels take on Hopper.
 Constants are the values in CUDA 12/13's ``library_types.h`` (cudaDataType_t), ``cublas_api.h``
 (cublasComputeType_t, cublasOperation_t) and ``cublasLt.h`` (descriptor / preference attributes).
 Public: :func:`scaled_mm_accumulate` (the wgrad into ``main_grad``), :func:`scaled_mm` (any fp32/bf16/fp16 output,
-optionally accumulating, with a choice of cuBLASLt's ranked algorithms) and :func:`available`.
+optionally accumulating, with a choice of cuBLASLt's ranked algorithms), :func:`scaled_mm_bias_gelu` and
+:func:`available`.
 """
 from __future__ import annotations
 
@@ -25,15 +30,20 @@ from typing import Optional
 
 import torch
 
-__all__ = ["available", "scaled_mm_accumulate", "scaled_mm", "CublasLtError"]
+__all__ = ["available", "scaled_mm_accumulate", "scaled_mm", "scaled_mm_bias_gelu", "CublasLtError",
+           "CublasLtUnsupported"]
 
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF, _CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 0, 2, 14, 28, 29
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 # cublasLtMatmulDescAttributes_t
-_DESC_TRANSA, _DESC_TRANSB = 3, 4
-_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
-_DESC_FAST_ACCUM = 25
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_DESC_EPILOGUE_AUX_POINTER, _DESC_EPILOGUE_AUX_LD = 11, 12
+_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_D_SCALE_POINTER, _DESC_AMAX_D_POINTER = 17, 18, 20, 21
+_DESC_EPILOGUE_AUX_DATA_TYPE, _DESC_FAST_ACCUM, _DESC_BIAS_DATA_TYPE = 22, 25, 26
+_STATUS_NOT_SUPPORTED = 15  # cublasStatus_t
+# cublasLtEpilogue_t
+_EPILOGUE_DEFAULT, _EPILOGUE_GELU_AUX_BIAS = 1, 164
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # MIN_ALIGNMENT_{A,B,C,D}_BYTES
@@ -44,10 +54,16 @@ _MAX_WORKSPACE_BYTES = 32 * 1024 * 1024
 
 _FP8_CUDA_TYPE = {torch.float8_e4m3fn: _CUDA_R_8F_E4M3, torch.float8_e5m2: _CUDA_R_8F_E5M2}
 _OUT_CUDA_TYPE = {torch.float32: _CUDA_R_32F, torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
+_D_CUDA_TYPE = {**_OUT_CUDA_TYPE, **_FP8_CUDA_TYPE}
 
 
 class CublasLtError(RuntimeError):
     """A cuBLASLt call returned a status other than CUBLAS_STATUS_SUCCESS (0)."""
+
+
+class CublasLtUnsupported(CublasLtError):
+    """cuBLASLt has no kernel for this configuration on this GPU (its heuristic found none, or returned
+    CUBLAS_STATUS_NOT_SUPPORTED = 15) -- found while planning, before anything was launched."""
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -102,21 +118,37 @@ def _check(status: int, what: str) -> None:
 
 
 class _Plan:
-    """Descriptors and the algorithm of one GEMM shape: built once, reused for every call of that shape."""
+    """Descriptors and the algorithm of one GEMM configuration: built once, reused for every call of it.
 
-    def __init__(self, lib: _Lib, handle: ctypes.c_void_p, key: tuple):
-        # column-major sizes: D [m, n] (+)= op_T(A [k, m]) @ B [k, n]; alignments in bytes of A, B and C = D
-        m, n, k, a_type, b_type, d_type, align, fast_accum, algo_index = key
+    Column-major sizes: ``D [m, n] (+)= op_T(A [k, m]) @ B [k, n]``; ``align`` = byte alignments of A, B and C = D.
+    ``epilogue`` is a cublasLtEpilogue_t; with ``_EPILOGUE_GELU_AUX_BIAS`` the bias and the aux output are of
+    ``hp_type`` (aux ``[m, n]``, leading dim m) and D is FP8, whose C layout must be ``hp_type`` too (C is not read:
+    beta = 0, passed as NULL).
+    """
+
+    def __init__(self, lib: _Lib, handle: ctypes.c_void_p, m: int, n: int, k: int, a_type: int, b_type: int,
+                 d_type: int, align: tuple, fast_accum: bool, algo_index: int, epilogue: int = _EPILOGUE_DEFAULT,
+                 hp_type: Optional[int] = None):
         self.desc = ctypes.c_void_p()
         _check(lib.MatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
-        for attr, val in ((_DESC_TRANSA, ctypes.c_int32(_CUBLAS_OP_T)), (_DESC_TRANSB, ctypes.c_int32(_CUBLAS_OP_N)),
-                          (_DESC_FAST_ACCUM, ctypes.c_int8(int(fast_accum)))):
+        attrs = [(_DESC_TRANSA, ctypes.c_int32(_CUBLAS_OP_T)), (_DESC_TRANSB, ctypes.c_int32(_CUBLAS_OP_N)),
+                 (_DESC_FAST_ACCUM, ctypes.c_int8(int(fast_accum)))]
+        if epilogue != _EPILOGUE_DEFAULT:
+            attrs += [(_DESC_EPILOGUE, ctypes.c_uint32(epilogue)), (_DESC_BIAS_DATA_TYPE, ctypes.c_int32(hp_type)),
+                      (_DESC_EPILOGUE_AUX_DATA_TYPE, ctypes.c_int32(hp_type)),
+                      (_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))]
+        for attr, val in attrs:
             _check(lib.MatmulDescSetAttribute(self.desc, attr, ctypes.byref(val), ctypes.sizeof(val)),
                    "MatmulDescSetAttribute")
         self.a_layout, self.b_layout, self.d_layout = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         for layout, dtype, rows, cols in ((self.a_layout, a_type, k, m), (self.b_layout, b_type, k, n),
                                           (self.d_layout, d_type, m, n)):
             _check(lib.MatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, rows), "MatrixLayoutCreate")
+        self.c_is_d = d_type not in (_CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2)
+        self.c_layout = self.d_layout
+        if not self.c_is_d:
+            self.c_layout = ctypes.c_void_p()
+            _check(lib.MatrixLayoutCreate(ctypes.byref(self.c_layout), hp_type, m, n, m), "MatrixLayoutCreate")
         pref = ctypes.c_void_p()
         _check(lib.MatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
         ws = ctypes.c_uint64(_MAX_WORKSPACE_BYTES)
@@ -127,12 +159,12 @@ class _Plan:
             _check(lib.MatmulPreferenceSetAttribute(pref, attr, ctypes.byref(val), 4), "MatmulPreferenceSetAttribute")
         results = (_HeuristicResult * (algo_index + 1))()
         found = ctypes.c_int(0)
-        _check(lib.MatmulAlgoGetHeuristic(handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
-                                          self.d_layout, pref, algo_index + 1, results, ctypes.byref(found)),
-               "MatmulAlgoGetHeuristic")
-        if found.value < 1:
-            raise CublasLtError(f"cuBLASLt has no FP8 algorithm for D [{m}, {n}] += A^T [{k}, {m}] @ B [{k}, {n}] "
-                                f"with operand alignments {align}")
+        status = lib.MatmulAlgoGetHeuristic(handle, self.desc, self.a_layout, self.b_layout, self.c_layout,
+                                            self.d_layout, pref, algo_index + 1, results, ctypes.byref(found))
+        if status == _STATUS_NOT_SUPPORTED or (status == 0 and found.value < 1):
+            raise CublasLtUnsupported(f"cuBLASLt has no FP8 algorithm for D [{m}, {n}] += A^T [{k}, {m}] @ B [{k}, "
+                                      f"{n}] with operand alignments {align}, epilogue {epilogue} (status {status})")
+        _check(status, "MatmulAlgoGetHeuristic")
         if found.value <= algo_index:
             raise IndexError(f"cuBLASLt's heuristic returned {found.value} algorithms, asked for index {algo_index}")
         self.result = results[algo_index]
@@ -140,13 +172,14 @@ class _Plan:
 
 
 class _Context:
-    """Per-process cuBLASLt handles (one per device) and the plan cache. A lock serialises the per-call scale-pointer
-    updates of a cached descriptor (autograd runs backward on its own thread)."""
+    """Per-process cuBLASLt handles (one per device) and the plan cache (a :class:`_Plan`, or the message of the
+    configuration's :class:`CublasLtUnsupported`). A lock serialises the per-call pointer updates of a cached
+    descriptor (autograd runs backward on its own thread)."""
 
     def __init__(self, lib: _Lib):
         self.lib, self.handles, self.plans, self.lock = lib, {}, {}, threading.Lock()
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha and beta (host pointer mode)
-        self.scale_ptrs = (ctypes.c_void_p(), ctypes.c_void_p())
+        self.ptr = ctypes.c_void_p()  # holds a device pointer while it is copied into a descriptor
 
     def handle(self, device: torch.device) -> ctypes.c_void_p:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -212,6 +245,71 @@ def scaled_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Te
     scaled_mm(a, a_scale_inv, b, b_scale_inv, out, accumulate=True)
 
 
+def _check_operands(a, a_scale_inv, b, b_scale_inv, out, what: str) -> tuple[int, int, int]:
+    """Validate ``a [M, K]``, ``b [N, K]`` FP8, ``out [M, N]`` and the scale_inv pair; return ``(M, N, K)``."""
+    if a.dtype not in _FP8_CUDA_TYPE or b.dtype not in _FP8_CUDA_TYPE:
+        raise TypeError(f"cuBLASLt {what} needs FP8 a and b, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise TypeError("E5M2 x E5M2 GEMMs are not supported by cuBLASLt; quantize one operand to E4M3")
+    (m, k), (n, kb) = a.shape, b.shape
+    if kb != k or tuple(out.shape) != (m, n):
+        raise ValueError(f"cuBLASLt {what} needs a [M, K], b [N, K], out [M, N]; got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}, {tuple(out.shape)}")
+    if k % 16 or n % 16:
+        raise ValueError(f"FP8 GEMM dims K={k} and N={n} must be multiples of 16")
+    if not all(t.is_cuda and t.device == out.device for t in (a, b, out, a_scale_inv, b_scale_inv)):
+        raise ValueError(f"cuBLASLt {what}: all tensors must be on the same CUDA device")
+    if not (a.is_contiguous() and b.is_contiguous() and out.is_contiguous()):
+        raise ValueError(f"cuBLASLt {what} needs contiguous row-major a, b and out")
+    for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"cuBLASLt {what}: {name} must be a 1-element float32 tensor")
+    return m, n, k
+
+
+def _launch(a, a_scale_inv, b, b_scale_inv, out, *, accumulate: bool, fast_accum: bool, algo_index: int,
+            epilogue: int = _EPILOGUE_DEFAULT, hp_type: Optional[int] = None, pointers: tuple = ()) -> None:
+    """Run the cached plan of this configuration on the current stream. ``pointers``: extra (attribute, tensor)
+    pairs whose device pointers are set on the descriptor for this call (bias, aux, D scale, amax)."""
+    ctx = _get_context()
+    (m, k), n = a.shape, b.shape[0]
+    if m == 0:
+        return
+    # Column-major view (module docstring): D = out^T [n, m], A = b (op T), B = a.
+    align = (_alignment(b.data_ptr()), _alignment(a.data_ptr()), _alignment(out.data_ptr()))
+    key = (out.device.index, n, m, k, _FP8_CUDA_TYPE[b.dtype], _FP8_CUDA_TYPE[a.dtype], _D_CUDA_TYPE[out.dtype],
+           align, bool(fast_accum), algo_index, epilogue, hp_type)
+    lib, handle = ctx.lib, ctx.handle(out.device)
+    # cuBLASLt launches on the current device: make it out's (autograd's backward threads already have it current)
+    guard = nullcontext() if torch.cuda.current_device() == out.device.index else torch.cuda.device(out.device)
+    with ctx.lock, guard:
+        plan = ctx.plans.get(key)
+        if plan is None:
+            try:
+                plan = _Plan(lib, handle, *key[1:])
+            except CublasLtUnsupported as err:  # remembered: the heuristic is not asked again for this key
+                plan = str(err)
+            ctx.plans[key] = plan
+        if isinstance(plan, str):
+            raise CublasLtUnsupported(plan)
+        workspace = torch.empty(plan.workspace_size, dtype=torch.uint8, device=out.device) \
+            if plan.workspace_size else None
+        for attr, t in ((_DESC_A_SCALE_POINTER, b_scale_inv), (_DESC_B_SCALE_POINTER, a_scale_inv), *pointers):
+            ctx.ptr.value = t.data_ptr()
+            _check(lib.MatmulDescSetAttribute(plan.desc, attr, ctypes.byref(ctx.ptr), 8), "MatmulDescSetAttribute")
+        out_ptr = out.data_ptr()
+        _check(lib.Matmul(handle, plan.desc, ctypes.byref(ctx.one), b.data_ptr(), plan.a_layout, a.data_ptr(),
+                          plan.b_layout, ctypes.byref(ctx.one if accumulate else ctx.zero),
+                          out_ptr if plan.c_is_d else None, plan.c_layout, out_ptr, plan.d_layout,
+                          ctypes.byref(plan.result.algo), None if workspace is None else workspace.data_ptr(),
+                          plan.workspace_size, torch.cuda.current_stream(out.device).cuda_stream), "cublasLtMatmul")
+
+
+def _require_context(what: str) -> None:
+    if _get_context() is None:
+        raise RuntimeError(f"fp8engine.ops.cublaslt.{what} needs cuBLASLt on a GPU: {_load_error}")
+
+
 def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
               out: torch.Tensor, *, accumulate: bool = False, use_fast_accum: bool = False,
               algo_index: int = 0) -> None:
@@ -220,52 +318,50 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
     choice, what ``torch._scaled_mm`` runs); ``tools/probe_cublaslt.py`` times the others. Operands and errors as
     :func:`scaled_mm_accumulate`; IndexError when the heuristic returns fewer than ``algo_index + 1`` algorithms.
     """
-    ctx = _get_context()
-    if ctx is None:
-        raise RuntimeError(f"fp8engine.ops.cublaslt needs cuBLASLt on a GPU: {_load_error}")
-    if a.dtype not in _FP8_CUDA_TYPE or b.dtype not in _FP8_CUDA_TYPE or out.dtype not in _OUT_CUDA_TYPE:
-        raise TypeError(f"cuBLASLt scaled_mm needs FP8 a/b and a float32/bfloat16/float16 out, got {a.dtype}, "
-                        f"{b.dtype}, {out.dtype}")
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        raise TypeError("E5M2 x E5M2 GEMMs are not supported by cuBLASLt; quantize one operand to E4M3")
-    (m, k), (n, kb) = a.shape, b.shape
-    if kb != k or tuple(out.shape) != (m, n):
-        raise ValueError(f"cuBLASLt scaled_mm needs a [M, K], b [N, K], out [M, N]; got {tuple(a.shape)}, "
-                         f"{tuple(b.shape)}, {tuple(out.shape)}")
-    if k % 16 or n % 16:
-        raise ValueError(f"FP8 GEMM dims K={k} and N={n} must be multiples of 16")
-    tensors = (a, b, out, a_scale_inv, b_scale_inv)
-    if not all(t.is_cuda and t.device == out.device for t in tensors):
-        raise ValueError("cuBLASLt scaled_mm: all tensors must be on the same CUDA device")
-    if not (a.is_contiguous() and b.is_contiguous() and out.is_contiguous()):
-        raise ValueError("cuBLASLt scaled_mm needs contiguous row-major a, b and out")
-    if a_scale_inv.numel() != 1 or b_scale_inv.numel() != 1 or a_scale_inv.dtype != torch.float32 \
-            or b_scale_inv.dtype != torch.float32:
-        raise ValueError("a_scale_inv and b_scale_inv must be 1-element float32 tensors")
-    if m == 0:
-        return
-    # Column-major view (module docstring): D = out^T [n, m], A = b (op T), B = a.
-    align = (_alignment(b.data_ptr()), _alignment(a.data_ptr()), _alignment(out.data_ptr()))
-    key = (out.device.index, n, m, k, _FP8_CUDA_TYPE[b.dtype], _FP8_CUDA_TYPE[a.dtype], _OUT_CUDA_TYPE[out.dtype],
-           align, bool(use_fast_accum), algo_index)
-    lib, handle = ctx.lib, ctx.handle(out.device)
-    # cuBLASLt launches on the current device: make it out's (autograd's backward threads already have it current)
-    guard = nullcontext() if torch.cuda.current_device() == out.device.index else torch.cuda.device(out.device)
-    with ctx.lock, guard:
-        plan = ctx.plans.get(key)
-        if plan is None:
-            plan = ctx.plans[key] = _Plan(lib, handle, key[1:])
-        workspace = torch.empty(plan.workspace_size, dtype=torch.uint8, device=out.device) \
-            if plan.workspace_size else None
-        a_ptr, b_ptr = ctx.scale_ptrs
-        a_ptr.value, b_ptr.value = b_scale_inv.data_ptr(), a_scale_inv.data_ptr()
-        _check(lib.MatmulDescSetAttribute(plan.desc, _DESC_A_SCALE_POINTER, ctypes.byref(a_ptr), 8),
-               "MatmulDescSetAttribute")
-        _check(lib.MatmulDescSetAttribute(plan.desc, _DESC_B_SCALE_POINTER, ctypes.byref(b_ptr), 8),
-               "MatmulDescSetAttribute")
-        out_ptr = out.data_ptr()
-        _check(lib.Matmul(handle, plan.desc, ctypes.byref(ctx.one), b.data_ptr(), plan.a_layout, a.data_ptr(),
-                          plan.b_layout, ctypes.byref(ctx.one if accumulate else ctx.zero), out_ptr, plan.d_layout,
-                          out_ptr, plan.d_layout, ctypes.byref(plan.result.algo),
-                          None if workspace is None else workspace.data_ptr(), plan.workspace_size,
-                          torch.cuda.current_stream(out.device).cuda_stream), "cublasLtMatmul")
+    _require_context("scaled_mm")
+    if out.dtype not in _OUT_CUDA_TYPE:
+        raise TypeError(f"cuBLASLt scaled_mm needs a float32/bfloat16/float16 out, got {out.dtype}")
+    _check_operands(a, a_scale_inv, b, b_scale_inv, out, "scaled_mm")
+    _launch(a, a_scale_inv, b, b_scale_inv, out, accumulate=accumulate, fast_accum=use_fast_accum,
+            algo_index=algo_index)
+
+
+def scaled_mm_bias_gelu(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                        bias: torch.Tensor, out: torch.Tensor, aux: torch.Tensor, out_scale: torch.Tensor,
+                        amax: torch.Tensor, *, use_fast_accum: bool = True) -> None:
+    """An FP8 GEMM with cuBLASLt's ``GELU_AUX_BIAS`` epilogue writing an FP8 output (fc1 fprop + GELU in one kernel):
+
+    ``h = (a * a_scale_inv) @ (b * b_scale_inv).T + bias`` (fp32 accumulation), ``aux = h`` rounded to
+    ``bias.dtype``, ``out = saturate(gelu(h) * out_scale)`` in FP8, ``amax = max |gelu(h)|`` (before scaling;
+    *overwritten*, not max-accumulated). GELU is evaluated on the fp32 ``h`` by cuBLASLt (the unfused path applies it
+    to the rounded ``h``; ``tests/ops/test_gemm_gelu.py`` checks the formula is the tanh form).
+
+    Args:
+        a: ``[M, K]`` FP8, b: ``[N, K]`` FP8 (contiguous row-major; not both E5M2); a_scale_inv, b_scale_inv,
+            out_scale, amax: 1-element float32 on the GPU.
+        bias: ``[N]`` bfloat16 or float16. out: ``[M, N]`` FP8 (E4M3 or E5M2). aux: ``[M, N]`` of ``bias.dtype``.
+            All contiguous, on one GPU.
+    Raises:
+        TypeError / ValueError: dtypes / shapes, layouts or devices that do not fit (K and N multiples of 16).
+        RuntimeError: cuBLASLt unavailable. CublasLtUnsupported: no such kernel on this GPU (nothing launched).
+        CublasLtError: another cuBLASLt failure.
+    """
+    _require_context("scaled_mm_bias_gelu")
+    if out.dtype not in _FP8_CUDA_TYPE or bias.dtype not in (torch.bfloat16, torch.float16) \
+            or aux.dtype != bias.dtype:
+        raise TypeError(f"scaled_mm_bias_gelu needs an FP8 out and bias / aux of one 16-bit float dtype, got out "
+                        f"{out.dtype}, bias {bias.dtype}, aux {aux.dtype}")
+    m, n, _ = _check_operands(a, a_scale_inv, b, b_scale_inv, out, "scaled_mm_bias_gelu")
+    if tuple(bias.shape) != (n,) or tuple(aux.shape) != (m, n) or not (bias.is_contiguous() and aux.is_contiguous()):
+        raise ValueError(f"scaled_mm_bias_gelu needs contiguous bias [{n}] and aux [{m}, {n}], got "
+                         f"{tuple(bias.shape)} and {tuple(aux.shape)}")
+    for name, t in (("bias", bias), ("aux", aux), ("out_scale", out_scale), ("amax", amax)):
+        if t.device != out.device:
+            raise ValueError(f"scaled_mm_bias_gelu: {name} is on {t.device}, out on {out.device}")
+    for name, t in (("out_scale", out_scale), ("amax", amax)):
+        if t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"scaled_mm_bias_gelu: {name} must be a 1-element float32 tensor")
+    _launch(a, a_scale_inv, b, b_scale_inv, out, accumulate=False, fast_accum=use_fast_accum, algo_index=0,
+            epilogue=_EPILOGUE_GELU_AUX_BIAS, hp_type=_OUT_CUDA_TYPE[bias.dtype],
+            pointers=((_DESC_BIAS_POINTER, bias), (_DESC_EPILOGUE_AUX_POINTER, aux),
+                      (_DESC_D_SCALE_POINTER, out_scale), (_DESC_AMAX_D_POINTER, amax)))

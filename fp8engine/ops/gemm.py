@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.ops import cublaslt
 
-__all__ = ["fp8_gemm", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
+__all__ = ["fp8_gemm", "fp8_gemm_bias_gelu", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ALIGN = 16  # cuBLASLt FP8 requires K and N to be multiples of 16 (torch._scaled_mm checks it on CUDA)
@@ -111,3 +111,44 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, bias=N
     b_data = b.transpose_2d() if transpose_b else b.data.reshape(-1, b.data.shape[-1])
     return fp8_mm(a_data, a.scale_inv, b_data, b.scale_inv, out_dtype, bias=bias, use_fast_accum=use_fast_accum,
                   pad_inner=pad_inner)
+
+
+def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out_dtype: torch.dtype,
+                       scale: torch.Tensor, fp8_dtype: torch.dtype, amax_out: Optional[torch.Tensor]
+                       ) -> Optional[tuple[torch.Tensor, Float8Tensor]]:
+    """fc1 fprop and GELU in one cuBLASLt GEMM (``GELU_AUX_BIAS`` epilogue, fast accumulation, as fprop):
+    ``h = a @ b.T + bias`` and ``gelu_tanh(h)`` written in FP8 with ``scale`` (delayed scaling), ``amax_out``
+    max-accumulated with ``max |gelu(h)|``. Returns ``(h [M, N] in out_dtype, gelu(h) as Float8Tensor [M, N])``,
+    or None where this path cannot run -- CPU, no cuBLASLt, ``out_dtype`` not bf16/fp16, a non-contiguous or not
+    16-byte aligned operand, dims not multiples of 16, or a GPU whose cuBLASLt has no such kernel -- and the caller
+    runs :func:`fp8_gemm` plus the activation kernel instead.
+
+    Numerics: GELU is applied by cuBLASLt to the fp32 ``h`` (the unfused path applies it to ``h`` rounded to
+    ``out_dtype``), so about 2 % of the FP8 bytes differ by one step (H200, ``tools/probe_epilogue.py``); ``h``
+    itself is the same. ``scale_inv`` is ``1 / scale`` (IEEE division, as the cast kernels write it).
+    Args: a ``[M, K]`` / b ``[N, K]`` Float8Tensors (data viewed as 2-D); bias ``[N]``; scale / amax_out
+    1-element float32 (``amax_out`` None: amax not recorded).
+    """
+    a2, b2 = a.data.reshape(-1, a.data.shape[-1]), b.data.reshape(-1, b.data.shape[-1])
+    if not (a2.is_cuda and out_dtype in (torch.bfloat16, torch.float16) and cublaslt.available()):
+        return None
+    bias = bias.to(out_dtype)
+    if a2.shape[1] % _ALIGN or b2.shape[0] % _ALIGN or not (a2.is_contiguous() and b2.is_contiguous()
+                                                             and bias.is_contiguous()):
+        return None
+    # cuBLASLt reads scalars and vectors through 16-byte aligned pointers only (a scale view 4 bytes into a shared
+    # buffer was refused with status 15, fourth session): the state's scale row is copied when it is not aligned
+    out_scale = scale if scale.data_ptr() % 16 == 0 else scale.clone()
+    if any(t.data_ptr() % 16 for t in (a2, b2, bias, a.scale_inv, b.scale_inv)):
+        return None
+    m, n = a2.shape[0], b2.shape[0]
+    h = torch.empty(m, n, dtype=out_dtype, device=a2.device)
+    y = torch.empty(m, n, dtype=fp8_dtype, device=a2.device)
+    amax = torch.empty(1, dtype=torch.float32, device=a2.device)  # cuBLASLt overwrites its amax
+    try:
+        cublaslt.scaled_mm_bias_gelu(a2, a.scale_inv, b2, b.scale_inv, bias, y, h, out_scale, amax)
+    except cublaslt.CublasLtUnsupported:
+        return None
+    if amax_out is not None:
+        torch.maximum(amax_out, amax, out=amax_out)  # a NaN amax stays NaN: the scale update keeps the old scale
+    return h, Float8Tensor(y, torch.reciprocal(scale), out_dtype)

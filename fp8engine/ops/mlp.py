@@ -3,7 +3,8 @@
 ``_FP8MLP`` is organised around the six GEMMs (TransformerEngine's names):
 
 - forward:  fc1 fprop ``h = x @ W1.T + b1`` -> activation writing fc2's FP8 input ``a`` -> fc2 fprop
-  ``y = a @ W2.T + b2``;
+  ``y = a @ W2.T + b2`` (GELU on a GPU: fc1's GEMM writes ``a`` itself through cuBLASLt's GELU epilogue,
+  :func:`fc1_fprop_act`);
 - backward: cast ``dy`` (with fc2's dbias) -> fc2 dgrad ``da = dy @ W2`` -> fc2 wgrad ``dW2 = dy.T @ a`` ->
   activation backward cast to FP8 (with fc1's dbias) -> fc1 dgrad ``dx = dh @ W1`` -> fc1 wgrad ``dW1 = dh.T @ x``.
 
@@ -32,11 +33,11 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand, kernel_scale, use_kernels
-from fp8engine.ops.gemm import fp8_gemm
+from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
 from fp8engine.ops.linear import dgrad_wgrad, fp8_linear
 
 __all__ = ["ACTIVATIONS", "act_fwd", "act_bwd", "activation", "activation_cast", "act_fwd_cast", "act_bwd_cast",
-           "fp8_mlp", "MLP_ROLES"]
+           "fc1_fprop_act", "fp8_mlp", "MLP_ROLES"]
 
 #: Names accepted by the ``activation`` argument of the modules; the value is fc1's output width per ffn unit.
 ACTIVATIONS = {"gelu": 1, "relu": 1, "swiglu": 2}
@@ -150,20 +151,38 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, state: ScalingSta
     return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t), (db if dbias else None)
 
 
+def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.Tensor], out_dtype: torch.dtype,
+                  kind: str, state: ScalingState, row: int, plan: FP8Plan, *, transpose: bool,
+                  gelu_epilogue: bool = True) -> tuple[torch.Tensor, Float8Tensor]:
+    """fc1 fprop ``h = x @ W1.T + b1`` (``[M, D]`` in ``out_dtype``) and the activation written in FP8 for fc2
+    (``state`` row ``row``; its transpose when ``transpose``): ``(h, a_fp8)``.
+
+    With ``gelu_epilogue``, GELU, a bias, delayed scaling and a GPU whose cuBLASLt has the kernel, one GEMM with
+    the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise :func:`fp8_gemm`
+    then :func:`act_fwd_cast`.
+    """
+    if gelu_epilogue and kind == "gelu" and b1 is not None and plan.delayed and use_kernels(x_fp8.data):
+        scale, amax_out = kernel_scale(x_fp8.data, state, row, plan, plan.fwd_dtype, grad=False)
+        fused = fp8_gemm_bias_gelu(x_fp8, w1_fp8, b1, out_dtype, scale, plan.fwd_dtype, amax_out)
+        if fused is not None:
+            return fused  # a^T is made by the consumer's first transpose_2d() call, as in act_fwd_cast
+    h = fp8_gemm(x_fp8, w1_fp8, out_dtype, bias=None if b1 is None else b1.to(out_dtype), use_fast_accum=True)
+    return h, act_fwd_cast(h, kind, state, row, plan, transpose=transpose)
+
+
 class _FP8MLP(torch.autograd.Function):
     """``y = fc2(act(fc1(x)))`` with FP8 GEMMs; see the module docstring for the GEMMs and what is saved."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, x_fp8: Float8Tensor, w1_fp8: Float8Tensor, w2_fp8: Float8Tensor,
-                state: ScalingState, plan: FP8Plan, kind: str, rows: tuple, fuse_wgrad: bool):
+                state: ScalingState, plan: FP8Plan, kind: str, rows: tuple, fuse_wgrad: bool, gelu_epilogue: bool):
         need_x, need_w1, need_b1, need_w2 = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                                              ctx.needs_input_grad[2], ctx.needs_input_grad[3])
         need_dw1, need_dw2 = need_w1 or fuse_wgrad, need_w2 or fuse_wgrad
         need_dh = need_x or need_dw1 or need_b1  # anything upstream of the activation
-        # fc1 fprop: h = x @ W1.T + b1
-        h = fp8_gemm(x_fp8, w1_fp8, x.dtype, bias=None if b1 is None else b1.to(x.dtype), use_fast_accum=True)
-        # activation, written in FP8 for fc2 (with a^T for fc2's wgrad)
-        a_fp8 = act_fwd_cast(h, kind, state, rows[3], plan, transpose=need_dw2)
+        # fc1 fprop h = x @ W1.T + b1 and the activation, written in FP8 for fc2 (with a^T for fc2's wgrad)
+        h, a_fp8 = fc1_fprop_act(x_fp8, w1_fp8, b1, x.dtype, kind, state, rows[3], plan, transpose=need_dw2,
+                                 gelu_epilogue=gelu_epilogue)
         # fc2 fprop: y = a @ W2.T + b2
         y = fp8_gemm(a_fp8, w2_fp8, x.dtype, bias=None if b2 is None else b2.to(x.dtype), use_fast_accum=True)
         ctx.save_for_backward(w1, w2, h if need_dh else None)
@@ -197,14 +216,14 @@ class _FP8MLP(torch.autograd.Function):
         if db2 is not None:
             db2 = db2.to(w2.dtype)
         ctx.x_t = ctx.w1_t = ctx.a_t = ctx.w2_t = None
-        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None
 
 
 def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor], fc2_weight: torch.Tensor,
             fc2_bias: Optional[torch.Tensor], kind: str, state: ScalingState, plan: FP8Plan, *,
             w1_fp8: Optional[Float8Tensor] = None, w2_fp8: Optional[Float8Tensor] = None,
             x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
-            rows: tuple = (0, 1, 2, 3, 4, 5)) -> torch.Tensor:
+            rows: tuple = (0, 1, 2, 3, 4, 5), gelu_epilogue: bool = True) -> torch.Tensor:
     """FP8 ``fc2(act(fc1(x)))`` with gradients, as one autograd node.
 
     Args:
@@ -216,6 +235,7 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
         w1_fp8, w2_fp8: already cast weights (FP8 weight caching), with their transposes when a backward may run;
             cast now when None. x_fp8: ``x`` already cast (by the norm kernel); cast now when None.
         fuse_wgrad: weight gradients go to fp32 ``weight.main_grad``; ``.grad`` stays None.
+        gelu_epilogue: let fc1's GEMM apply GELU and write the FP8 activation where it can (:func:`fc1_fprop_act`).
     """
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or fc1_weight.requires_grad
                                               or fc2_weight.requires_grad)
@@ -226,13 +246,15 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
     if w2_fp8 is None:
         w2_fp8 = cast_operand(fc2_weight, state, rows[4], plan, transpose=needs_grad)
     return _FP8MLP.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, x_fp8, w1_fp8, w2_fp8, state, plan, kind,
-                         rows, fuse_wgrad)
+                         rows, fuse_wgrad, gelu_epilogue)
 
 
 def _unfused_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, kind, state, plan, *, w1_fp8=None,
-                     w2_fp8=None, x_fp8=None, fuse_wgrad=False, rows=(0, 1, 2, 3, 4, 5)) -> torch.Tensor:
+                     w2_fp8=None, x_fp8=None, fuse_wgrad=False, rows=(0, 1, 2, 3, 4, 5),
+                     gelu_epilogue=False) -> torch.Tensor:
     """:func:`fp8_mlp` as three autograd nodes, ``fp8_linear -> activation_cast -> fp8_linear`` (the composition
-    it replaced; kept as the reference the fused op is tested against, bit for bit on CPU)."""
+    it replaced; kept as the reference the fused op is tested against, bit for bit on CPU; never uses the GELU
+    epilogue, ``gelu_epilogue`` is accepted for the same call signature)."""
     if w1_fp8 is None:
         w1_fp8 = cast_operand(fc1_weight, state, rows[1], plan, transpose=torch.is_grad_enabled())
     if w2_fp8 is None:

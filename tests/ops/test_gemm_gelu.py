@@ -1,0 +1,137 @@
+"""fc1 fprop with GELU in cuBLASLt's epilogue (``fp8_gemm_bias_gelu`` / ``cublaslt.scaled_mm_bias_gelu``): the
+formula, the FP8 output, the pre-activation, the amax, and the MLP op with and without it. GPU only, except the
+fallback and error checks."""
+import math
+
+import pytest
+import torch
+
+import fp8engine as fe
+from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.ops import cublaslt
+from fp8engine.ops.cast import FP8Plan
+from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
+from fp8engine.ops.mlp import MLP_ROLES, fc1_fprop_act, fp8_mlp
+from fp8engine.fp8.state import ScalingState
+from tests.conftest import sqnr
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuBLASLt GELU epilogue needs a GPU")
+E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
+DELAYED = FP8Plan(E4M3, torch.float8_e5m2, delayed=True, record_amax=True)
+
+
+def _gelu64(x, approximate):
+    return torch.nn.functional.gelu(x.double(), approximate=approximate)
+
+
+def _exact_operands(values: torch.Tensor, device):
+    """a = values (exact in E4M3) [M, 64], b = identity [64, 64]: the GEMM's fp32 result is ``values`` exactly."""
+    a = Float8Tensor(values.to(E4M3).to(device), torch.ones(1, device=device), BF16)
+    b = Float8Tensor(torch.eye(64).to(E4M3).to(device), torch.ones(1, device=device), BF16)
+    return a, b
+
+
+@cuda
+def test_epilogue_is_gelu_tanh():
+    # Inputs in the far negative tail [-4.5, -2.5], where tanh-GELU and erf-GELU differ by 10-60 % (gelu(-3):
+    # -0.00362 vs -0.00405), scaled into E4M3's normal range: the FP8 output must be within E4M3's rounding
+    # (relative 2^-4 = 6.25 %, plus fp32 evaluation) of tanh-GELU everywhere, and so far from erf-GELU somewhere.
+    g = torch.Generator().manual_seed(0)
+    values = (-2.5 - 2.0 * torch.rand(128, 64, generator=g)).to(E4M3).float()
+    a, b = _exact_operands(values, "cuda")
+    scale = torch.full((1,), 2.0 ** 14, device="cuda")  # |gelu| <= 0.0156 -> <= 256 in FP8 units
+    amax = torch.zeros(1, device="cuda")
+    h, y = fp8_gemm_bias_gelu(a, b, torch.zeros(64, device="cuda"), BF16, scale, E4M3, amax)
+    torch.testing.assert_close(h.float(), values.cuda(), rtol=0, atol=0)  # the aux output is the pre-activation
+    got = y.dequantize(torch.float64).cpu()
+    rel_tanh = ((got - _gelu64(values, "tanh")) / _gelu64(values, "tanh")).abs()
+    rel_erf = ((got - _gelu64(values, "none")) / _gelu64(values, "none")).abs()
+    assert rel_tanh.max().item() <= 0.0625 + 1e-3
+    assert rel_erf.max().item() > 0.1
+    # amax: max |gelu| over the fp32 values cuBLASLt computed (relative 1e-5: fp32 evaluation of tanh)
+    assert math.isclose(amax.item(), _gelu64(values, "tanh").abs().max().item(), rel_tol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("m", [8192, 1151], ids=["m8192", "m1151"])
+def test_matches_gemm_then_activation(m):
+    # Against the unfused path (_scaled_mm with the bias epilogue, then the Triton GELU kernel on the bf16 h):
+    # h bit-identical (same GEMM and bias rounding: H200, probe_epilogue.py), the FP8 activation within one E4M3
+    # step where it differs (GELU of the fp32 vs of the bf16-rounded h; ~2 % of the bytes on H200), both equally
+    # close to float64 GELU of h, and the amax recorded by max-accumulation into the history slot.
+    g = torch.Generator().manual_seed(1)
+    k, n = 256, 512
+    x = fe.quantize_current(torch.randn(m, k, generator=g).cuda(), E4M3)
+    w = fe.quantize_current((torch.randn(n, k, generator=g) * k ** -0.5).cuda(), E4M3)
+    bias = (torch.randn(n, generator=g) * 0.5).to(BF16).cuda()
+    state = ScalingState(MLP_ROLES, device="cuda")
+    state.scale[3] = 100.0
+    state.amax_history[3, 0] = 1e-3  # an amax recorded earlier in this step must be max-accumulated, not lost
+    h_ref = fp8_gemm(x, w, BF16, bias=bias, use_fast_accum=True)
+    h, y = fc1_fprop_act(x, w, bias, BF16, "gelu", state, 3, DELAYED, transpose=True)
+    assert state.amax_history[3, 0].item() > 1e-3
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
+    ref_state = ScalingState(MLP_ROLES, device="cuda")
+    ref_state.scale[3] = 100.0
+    _, y_ref = fc1_fprop_act(x, w, bias, BF16, "gelu", ref_state, 3, DELAYED, transpose=True, gelu_epilogue=False)
+    assert torch.equal(y.scale_inv, y_ref.scale_inv)  # 1 / scale by IEEE division on both paths
+    gelu = _gelu64(h_ref.float(), "tanh")
+    assert sqnr(gelu, y.dequantize(torch.float64)) >= sqnr(gelu, y_ref.dequantize(torch.float64)) - 0.5
+    same = (y.data.view(torch.uint8) == y_ref.data.view(torch.uint8)).float().mean().item()
+    assert same >= 0.9, same  # differences are isolated one-step roundings (measured 97.6 % equal at H200 scale)
+    steps = (y.data.view(torch.uint8).int() - y_ref.data.view(torch.uint8).int()).abs()
+    assert steps.max().item() <= 1
+    torch.testing.assert_close(state.amax_history[3, 0], ref_state.amax_history[3, 0], rtol=1e-2, atol=0)
+    torch.testing.assert_close(y.transpose_2d(), y.data.t(), rtol=0, atol=0)
+
+
+@cuda
+def test_mlp_op_with_and_without_epilogue():
+    # The whole MLP op, forward and backward: the two paths differ only by the FP8 rounding of a few activation
+    # values, so outputs and gradients agree to >= 30 dB with each other (FP8 noise alone is ~30 dB against
+    # float64, so a wrong epilogue -- erf, missing bias, wrong scale -- lands far below), and the plan cache shows
+    # the epilogue ran.
+    g = torch.Generator().manual_seed(2)
+    m, h, f = 512, 256, 1024
+    x = torch.randn(m, h, generator=g).to(BF16).cuda()
+    params = [torch.randn(f, h, generator=g) * h ** -0.5, torch.randn(f, generator=g) * 0.5,
+              torch.randn(h, f, generator=g) * f ** -0.5, torch.randn(h, generator=g) * 0.5]
+    dy = torch.randn(m, h, generator=g).to(BF16).cuda()
+    outs = []
+    for epilogue in (True, False):
+        state = ScalingState(MLP_ROLES, device="cuda")
+        state.scale.fill_(16.0)
+        xi = x.clone().requires_grad_()
+        ps = [p.to(BF16).cuda().requires_grad_() for p in params]
+        y = fp8_mlp(xi, *ps, "gelu", state, DELAYED, gelu_epilogue=epilogue)
+        y.backward(dy)
+        outs.append([y.detach(), xi.grad] + [p.grad for p in ps])
+    for i, (u, v) in enumerate(zip(*outs)):
+        assert sqnr(v.double(), u.double()) >= 30.0, i
+    assert any(key[-2] == cublaslt._EPILOGUE_GELU_AUX_BIAS for key in cublaslt._get_context().plans)
+
+
+def test_falls_back_where_the_epilogue_cannot_run():
+    # CPU tensors (and any case the cuBLASLt path cannot take) return None: the caller runs the GEMM + kernel.
+    a, b = _exact_operands(torch.randn(32, 64), "cpu")
+    scale, amax = torch.ones(1), torch.zeros(1)
+    assert fp8_gemm_bias_gelu(a, b, torch.zeros(64), BF16, scale, E4M3, amax) is None
+    assert amax.item() == 0.0  # nothing recorded
+    if torch.cuda.is_available():  # fp32 activations: cuBLASLt's GELU aux output would be fp32 -> not this path
+        a, b = _exact_operands(torch.randn(32, 64), "cuda")
+        assert fp8_gemm_bias_gelu(a, b, torch.zeros(64, device="cuda"), torch.float32, scale.cuda(), E4M3,
+                                  amax.cuda()) is None
+
+
+@cuda
+def test_scaled_mm_bias_gelu_errors():
+    a, b = _exact_operands(torch.randn(32, 64), "cuda")
+    one = torch.ones(1, device="cuda")
+    bias, aux = torch.zeros(64, dtype=BF16, device="cuda"), torch.empty(32, 64, dtype=BF16, device="cuda")
+    out = torch.empty(32, 64, dtype=E4M3, device="cuda")
+    with pytest.raises(TypeError, match="FP8 out"):
+        cublaslt.scaled_mm_bias_gelu(a.data, one, b.data, one, bias, aux.clone(), aux, one, one)
+    with pytest.raises(ValueError, match="bias \\[64\\]"):
+        cublaslt.scaled_mm_bias_gelu(a.data, one, b.data, one, bias[:48], out, aux, one, one)
+    with pytest.raises(ValueError, match="amax must be a 1-element float32"):
+        cublaslt.scaled_mm_bias_gelu(a.data, one, b.data, one, bias, out, aux, one, torch.ones(2, device="cuda"))
