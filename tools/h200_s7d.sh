@@ -9,9 +9,9 @@ if nvidia-smi --query-gpu=$Q,clocks_event_reasons.active --format=csv,noheader >
   Q=$Q,clocks_event_reasons.active; else Q=$Q,clocks_throttle_reasons.active; fi
 nvidia-smi --query-gpu=$Q --format=csv -lms 1000 > $OUT/smi.csv 2>&1 &
 SMI=$!
-timeout 340 python3 -m fp8engine.bench layer --graph --rounds 3 --json $OUT/layer.json > $OUT/layer.log 2>&1
+timeout 420 python3 -m fp8engine.bench layer --graph --rounds 3 --json $OUT/layer.json > $OUT/layer.log 2>&1
 grep "^|\|^#" $OUT/layer.log
-timeout 150 python3 -m fp8engine.bench linear --shapes 8192x4096x16384 --rounds 3 > $OUT/linear.log 2>&1
+timeout 120 python3 -m fp8engine.bench linear --shapes 8192x4096x16384 --rounds 3 > $OUT/linear.log 2>&1
 grep "^|" $OUT/linear.log
 kill $SMI
 python3 - <<'PY'
