@@ -121,7 +121,7 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     max-accumulated with ``max |gelu(h)|``. Returns ``(h [M, N] in out_dtype, gelu(h) as Float8Tensor [M, N])``,
     or None where this path cannot run -- CPU, no cuBLASLt, ``out_dtype`` not bf16/fp16, a non-contiguous or not
     16-byte aligned operand, dims not multiples of 16, or a GPU whose cuBLASLt has no such kernel -- and the caller
-    runs :func:`fp8_gemm` plus the activation kernel instead.
+    runs :func:`fp8_gemm` plus the activation kernel instead (also for M = 0).
 
     Numerics: GELU is applied by cuBLASLt to the fp32 ``h`` (the unfused path applies it to ``h`` rounded to
     ``out_dtype``), so about 2 % of the FP8 bytes differ by one step (H200, ``tools/probe_epilogue.py``); ``h``
@@ -130,7 +130,7 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     1-element float32 (``amax_out`` None: amax not recorded).
     """
     a2, b2 = a.data.reshape(-1, a.data.shape[-1]), b.data.reshape(-1, b.data.shape[-1])
-    if not (a2.is_cuda and out_dtype in (torch.bfloat16, torch.float16) and cublaslt.available()):
+    if not (a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16) and cublaslt.available()):
         return None
     bias = bias.to(out_dtype)
     if a2.shape[1] % _ALIGN or b2.shape[0] % _ALIGN or not (a2.is_contiguous() and b2.is_contiguous()

@@ -59,8 +59,9 @@ def test_epilogue_is_gelu_tanh():
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [8192, 1151], ids=["m8192", "m1151"])
-def test_matches_gemm_then_activation(m):
+def test_matches_gemm_then_activation(m, dtype):
     # Against the unfused path (_scaled_mm with the bias epilogue, then the Triton GELU kernel on the bf16 h):
     # h bit-identical (same GEMM and bias rounding: H200, probe_epilogue.py), the FP8 activation within one E4M3
     # step where it differs (GELU of the fp32 vs of the bf16-rounded h; ~2 % of the bytes on H200), both equally
@@ -69,17 +70,17 @@ def test_matches_gemm_then_activation(m):
     k, n = 256, 512
     x = fe.quantize_current(torch.randn(m, k, generator=g).cuda(), E4M3)
     w = fe.quantize_current((torch.randn(n, k, generator=g) * k ** -0.5).cuda(), E4M3)
-    bias = (torch.randn(n, generator=g) * 0.5).to(BF16).cuda()
+    bias = (torch.randn(n, generator=g) * 0.5).to(dtype).cuda()
     state = ScalingState(MLP_ROLES, device="cuda")
     state.scale[3] = 100.0
     state.amax_history[3, 0] = 1e-3  # an amax recorded earlier in this step must be max-accumulated, not lost
-    h_ref = fp8_gemm(x, w, BF16, bias=bias, use_fast_accum=True)
-    h, y = fc1_fprop_act(x, w, bias, BF16, "gelu", state, 3, DELAYED, transpose=True)
+    h_ref = fp8_gemm(x, w, dtype, bias=bias, use_fast_accum=True)
+    h, y = fc1_fprop_act(x, w, bias, dtype, "gelu", state, 3, DELAYED, transpose=True)
     assert state.amax_history[3, 0].item() > 1e-3
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
     ref_state = ScalingState(MLP_ROLES, device="cuda")
     ref_state.scale[3] = 100.0
-    _, y_ref = fc1_fprop_act(x, w, bias, BF16, "gelu", ref_state, 3, DELAYED, transpose=True, gelu_epilogue=False)
+    _, y_ref = fc1_fprop_act(x, w, bias, dtype, "gelu", ref_state, 3, DELAYED, transpose=True, gelu_epilogue=False)
     assert torch.equal(y.scale_inv, y_ref.scale_inv)  # 1 / scale by IEEE division on both paths
     gelu = _gelu64(h_ref.float(), "tanh")
     assert sqnr(gelu, y.dequantize(torch.float64)) >= sqnr(gelu, y_ref.dequantize(torch.float64)) - 0.5
@@ -124,6 +125,10 @@ def test_falls_back_where_the_epilogue_cannot_run():
     scale, amax = torch.ones(1), torch.zeros(1)
     assert fp8_gemm_bias_gelu(a, b, torch.zeros(64), BF16, scale, E4M3, amax) is None
     assert amax.item() == 0.0  # nothing recorded
+    if torch.cuda.is_available():  # no tokens: nothing for cuBLASLt to do, and its amax would be unwritten
+        a0, b = _exact_operands(torch.randn(0, 64), "cuda")
+        assert fp8_gemm_bias_gelu(a0, b, torch.zeros(64, device="cuda"), BF16, scale.cuda(), E4M3,
+                                  amax.cuda()) is None
     if torch.cuda.is_available():  # fp32 activations: cuBLASLt's GELU aux output would be fp32 -> not this path
         a, b = _exact_operands(torch.randn(32, 64), "cuda")
         assert fp8_gemm_bias_gelu(a, b, torch.zeros(64, device="cuda"), torch.float32, scale.cuda(), E4M3,
