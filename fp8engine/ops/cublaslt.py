@@ -7,8 +7,9 @@ build of torch already loaded (no C++ build): accumulation into the output (cuBL
 fp32 write and two fp32 reads of the weight's size). TransformerEngine makes the same cuBLASLt call with
 ``accumulate=True`` for its wgrad into ``main_grad``. The GELU epilogue lets fc1's fprop write the FP8 GELU output
 (and the pre-activation for the backward) itself, instead of a bf16 output that an activation kernel reads again
-(``tools/probe_epilogue.py``: -0.08 ms per layer step on H200; the backward's ``DGELU_BGRAD`` has no FP8-output
-kernel there, status 15, and with a bf16 output it is slower than the GEMM + Triton kernel).
+(H200: the fc1 GEMM + activation pair 0.991 vs 1.067 ms in ``tools/probe_epilogue.py``, the layer step -0.20 ms
+back-to-back in ``bench layer``; the backward's ``DGELU_BGRAD`` has no FP8-output kernel there, status 15, and with
+a bf16 output it is slower than the GEMM + Triton kernel).
 
 Layout: torch tensors are row-major and cuBLASLt is column-major, so the row-major ``out [M, N] += a [M, K] @ b.T``
 (``b [N, K]``) is the column-major ``out^T [N, M] += op_T(b) @ a`` -- cuBLASLt's "TN" form, the only one its FP8

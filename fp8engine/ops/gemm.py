@@ -136,11 +136,11 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     if a2.shape[1] % _ALIGN or b2.shape[0] % _ALIGN or not (a2.is_contiguous() and b2.is_contiguous()
                                                              and bias.is_contiguous()):
         return None
+    if any(t.data_ptr() % 16 for t in (a2, b2, bias, a.scale_inv, b.scale_inv)):
+        return None
     # cuBLASLt reads scalars and vectors through 16-byte aligned pointers only (a scale view 4 bytes into a shared
     # buffer was refused with status 15, fourth session): the state's scale row is copied when it is not aligned
     out_scale = scale if scale.data_ptr() % 16 == 0 else scale.clone()
-    if any(t.data_ptr() % 16 for t in (a2, b2, bias, a.scale_inv, b.scale_inv)):
-        return None
     m, n = a2.shape[0], b2.shape[0]
     h = torch.empty(m, n, dtype=out_dtype, device=a2.device)
     y = torch.empty(m, n, dtype=fp8_dtype, device=a2.device)
