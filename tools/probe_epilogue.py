@@ -12,6 +12,9 @@ agreement with the kernels (byte match of the FP8 outputs, SQNR against float64 
 amax, and whether AMAX_D overwrites or max-accumulates), and ms per variant (CUDA events, back-to-back,
 interleaved rounds, medians).
 
+The variant that paid (GELU_AUX_BIAS, C = NULL, fast accumulation) is now ``fp8engine.ops.cublaslt.scaled_mm_bias_gelu``;
+this tool keeps its own descriptor code to try the variants the library does not offer (batches s7a, s7b).
+
 Usage: python tools/probe_epilogue.py [--tokens 8192 --hidden 4096 --ffn 16384] [--rounds 5]
 """
 import argparse
