@@ -51,6 +51,7 @@ from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout
                                             SHARDED_DIR, has_sharded, init_layout, load_sharded,
                                             read_sharded_settings, save_sharded)
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
+from fp8engine.training.step import CUDAGraphStep, TrainStep, capture_problem, make_optimizer, set_lr
 from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
 
 __all__ = ["main", "build_parser", "lr_at"]
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on CUDA, run every step eagerly instead of capturing the training step in a CUDA graph "
+                        "after two eager steps (the default for single-process CUDA runs)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun; the other "
                                                      "processes form data-parallel replicas)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: norms/dropout on sequence shards")
@@ -186,6 +190,8 @@ class Run:
     layout: Layout = dataclasses.field(default_factory=Layout)
     #: With --tp > 1: the RNG tracker whose per-tp-rank state drives dropout inside tensor-parallel regions.
     rng_tracker: Any = None
+    #: Why the step is not captured in a CUDA graph (one line), or None when it is.
+    graph_problem: Optional[str] = None
 
 
 def prepare(args: argparse.Namespace) -> Run:
@@ -251,11 +257,7 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
                                                      device=run.device)
     model = GPT(run.config, tp_group=layout.tp_group, sequence_parallel=run.args.sequence_parallel,
                 device=run.device, rng_tracker=run.rng_tracker)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": run.args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=run.args.lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     if run.checkpoint is not None and layout.world_size > 1:
         run.checkpoint.update(load_sharded(run.out, layout, model, optimizer, run.rng_tracker))  # adds "rng"
     elif run.checkpoint is not None:
@@ -273,28 +275,35 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
     return model, step_model, optimizer
 
 
-def _train_step(run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
-    """One optimizer step of ``--grad-accum`` micro-batches (per dp replica); returns the mean loss over the
-    global batch."""
-    args, layout, total = run.args, run.layout, 0.0
-    for micro in range(args.grad_accum):
-        index = micro * layout.dp_size + layout.dp_rank
-        x, y = get_batch(run.data.train, args.batch_size, args.seq_len, batch_seed(args.seed, "train", step, index))
-        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-        first = None if args.grad_accum == 1 else micro == 0
-        last = micro == args.grad_accum - 1
-        sync = contextlib.nullcontext() if last or layout.dp_size == 1 else model.no_sync()
-        with sync:
-            with _precision_context(args, run.device, train=True, amax_group=layout.dp_group):
-                loss = model(x, y, is_first_microbatch=first)
-            (loss / args.grad_accum).backward()
-        total += loss.item()
+def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainStep:
+    """The step object of this run: captured in a CUDA graph where :func:`capture_problem` allows it and
+    ``--no-cuda-graphs`` is not given, else eager."""
+    args, layout = run.args, run.layout
+
+    def context():
+        return _precision_context(args, run.device, train=True, amax_group=layout.dp_group)
+
+    def clip(params):
+        return clip_grad_norm(params, 1.0, layout.tp_group)
+
+    after_backward = None
     if args.sequence_parallel:
-        all_reduce_sequence_parallel_grads(model, layout.tp_group)
-    clip_grad_norm(model.parameters(), 1.0, layout.tp_group)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return all_reduce_sum([total / args.grad_accum], layout.dp_group, run.device)[0] / layout.dp_size
+        def after_backward():
+            all_reduce_sequence_parallel_grads(model, layout.tp_group)
+    params = list(model.parameters())
+    if args.cuda_graphs and run.graph_problem is None:
+        return CUDAGraphStep(step_model, params, optimizer, context, args.grad_accum, clip, device=run.device)
+    return TrainStep(step_model, params, optimizer, context, args.grad_accum, clip, after_backward,
+                     device=run.device)
+
+
+def step_batches(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of ``step`` for this data-parallel rank: ``[grad_accum, b, s]`` int64 each (CPU)."""
+    args, layout = run.args, run.layout
+    pairs = [get_batch(run.data.train, args.batch_size, args.seq_len,
+                       batch_seed(args.seed, "train", step, micro * layout.dp_size + layout.dp_rank))
+             for micro in range(args.grad_accum)]
+    return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
 
 
 @torch.no_grad()
@@ -352,6 +361,7 @@ class _GracefulStop:
 def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """The training loop; returns the last finished step (checkpointed when ``--out`` is given)."""
     args = run.args
+    step_fn = make_step(run, model, step_model, optimizer)
     start = 0 if run.checkpoint is None else run.checkpoint["step"]
     if run.checkpoint is not None:
         restore_rng_state(run.checkpoint["rng"], run.rng_tracker)
@@ -366,7 +376,7 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
     with _GracefulStop(enabled=run.layout.world_size == 1) as stop:
         try:
             for step in range(start + 1, end + 1):
-                record = _one_step(run, step_model, optimizer, step, tokens_per_step)
+                record = _one_step(run, step_fn, optimizer, step, tokens_per_step)
                 if step % args.eval_interval == 0 or step == args.steps:
                     record["val_loss"] = evaluate(run, model)
                     if main_rank:
@@ -387,16 +397,16 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
     return step
 
 
-def _one_step(run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+def _one_step(run: Run, step_fn: TrainStep, optimizer: torch.optim.Optimizer, step: int,
               tokens_per_step: int) -> dict[str, Any]:
-    args = run.args
+    """Run optimizer step ``step``; the loss is read back (one host synchronisation) once the step is done."""
+    args, layout = run.args, run.layout
     lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
     t0 = time.perf_counter()
-    loss = _train_step(run, model, optimizer, step)
-    if run.device.type == "cuda":
-        torch.cuda.synchronize()
+    set_lr(optimizer, lr)
+    xs, ys = step_batches(run, step)
+    local = step_fn(xs, ys).item()
+    loss = all_reduce_sum([local], layout.dp_group, run.device)[0] / layout.dp_size
     return {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
 
 
@@ -425,10 +435,16 @@ def _describe(run: Run, model: GPT) -> str:
     a = run.args
     fp8 = f" ({a.recipe} scaling)" if a.precision == "fp8" else ""
     par = f", dp {run.layout.dp_size} x tp {run.layout.tp_size}" if run.layout.world_size > 1 else ""
+    if run.device.type != "cuda":
+        graphs = ""
+    elif a.cuda_graphs and run.graph_problem is None:
+        graphs = "\n  CUDA graphs: the training step is captured after 2 eager steps and replayed (--no-cuda-graphs: off)"
+    else:
+        graphs = f"\n  CUDA graphs: off ({'--no-cuda-graphs' if not a.cuda_graphs else run.graph_problem})"
     return (f"fp8engine.train: {a.model} GPT, {model.num_params():,} parameters{' per rank' if par else ''}, "
             f"{a.precision}{fp8} on {run.device}{par}\n  data: {run.data.description}; {len(run.data.train):,} train / "
             f"{len(run.data.val):,} val tokens\n  {a.steps} steps x {a.grad_accum} x {a.batch_size} x "
-            f"{a.seq_len} tokens, AdamW lr {a.lr:g} (warm-up {a.warmup_steps}, cosine)")
+            f"{a.seq_len} tokens, AdamW lr {a.lr:g} (warm-up {a.warmup_steps}, cosine){graphs}")
 
 
 def _finish(run: Run, model: GPT, last_step: int) -> None:
@@ -457,6 +473,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     run.layout = init_layout(args.tp, run.device)
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())
+    run.graph_problem = capture_problem(run.device, run.layout.world_size, args.compile)
     try:
         if run.out is not None and run.checkpoint is None and run.layout.is_main:
             _write_run_files(run)

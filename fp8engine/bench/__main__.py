@@ -13,6 +13,7 @@ BENCHMARKS = {
     "layer": "fp8engine.bench.layer",
     "jax": "fp8engine.bench.jax_dense",
     "comm": "fp8engine.bench.comm",
+    "train": "fp8engine.bench.train",
 }
 
 

@@ -209,6 +209,10 @@ class GPT(nn.Module):
         Dropout draws from the default generator, which is seeded alike on all tp ranks (replicated activations
         get identical masks; sequence shards get the same pattern per shard)."""
         hidden = self.embedding(tokens if self.sequence_parallel else tokens.t())
+        if torch.is_autocast_enabled(hidden.device.type):
+            # The residual stream runs in the autocast dtype, as in a model with bf16 parameters: the layers'
+            # fused residual adds (norm kernels) take x and the residual in one dtype.
+            hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
         return F.dropout(hidden, self.config.dropout, self.training)
 
     def num_params(self) -> int:

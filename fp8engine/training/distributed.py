@@ -103,8 +103,9 @@ def all_reduce_sum(values: list[float], group, device) -> list[float]:
     return t.tolist()
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_group) -> float:
-    """Clip to a global L2 norm ``max_norm``; returns the norm before clipping.
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_group) -> torch.Tensor:
+    """Clip to a global L2 norm ``max_norm``; returns the norm before clipping (fp32 device scalar, no host
+    synchronisation, so it can run inside a captured CUDA graph).
 
     With tensor parallelism a parameter holding a shard contributes its local sum of squares, summed over
     ``tp_group``; a replicated one (norms and row-parallel biases, marked with a ``sequence_parallel``
@@ -112,7 +113,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_gro
     """
     params = [p for p in params if p.grad is not None]
     if tp_group is None:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
     sharded = [p.grad for p in params if not hasattr(p, "sequence_parallel")]
     replicated = [p.grad for p in params if hasattr(p, "sequence_parallel")]
     device = params[0].grad.device
@@ -123,7 +124,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_gro
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         p.grad.mul_(coef.to(p.grad.dtype))
-    return float(norm)
+    return norm
 
 
 def _root(out: Path) -> Path:

@@ -1,0 +1,141 @@
+"""``python -m fp8engine.bench train``: the training command's real step, every precision side by side.
+
+For each model and mode it builds the run exactly as ``python -m fp8engine.train`` does (same parser, model,
+optimizer, precision context, step object: :func:`fp8engine.train.make_step`) and times whole optimizer steps the
+way the command runs them (learning rate set, batch built on the host, forward + backward + clip + AdamW + FP8
+scale update, loss read back). Reported per mode: median step time over the timed steps, tokens/s, model TFLOP/s
+and MFU against the GPU's dense bf16 peak, peak memory, and the ratio of tokens/s to bf16 eager.
+
+Modes: ``bf16`` (eager), ``bf16-compile`` (``--compile``), ``bf16-graph`` (CUDA graph), ``fp8-delayed`` and
+``fp8-current`` (eager, ``--no-cuda-graphs``), ``fp8-delayed-graph`` and ``fp8-current-graph`` (the command's
+default on CUDA). Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding parameters plus the tied LM head,
+L layers, h width, s context; the PaLM paper's appendix B formula), so MFU counts no recomputation.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+from fp8engine.bench.common import env_info, peak_memory_gib, print_table, write_json
+
+__all__ = ["main", "MODES", "model_flops_per_token"]
+
+#: mode -> extra training-command flags.
+MODES = {
+    "bf16": ["--precision", "bf16", "--no-cuda-graphs"],
+    "bf16-compile": ["--precision", "bf16", "--compile"],
+    "bf16-graph": ["--precision", "bf16"],
+    "fp8-delayed": ["--precision", "fp8", "--recipe", "delayed", "--no-cuda-graphs"],
+    "fp8-delayed-graph": ["--precision", "fp8", "--recipe", "delayed"],
+    "fp8-current": ["--precision", "fp8", "--recipe", "current", "--no-cuda-graphs"],
+    "fp8-current-graph": ["--precision", "fp8", "--recipe", "current"],
+}
+#: model -> micro-batch size (the end-to-end issue's shapes: gpt2-124m 16 x 1024, 1b 4 x 2048).
+BATCH = {"tiny": 16, "small": 64, "gpt2-124m": 16, "1b": 4}
+#: Dense bf16 peak by datasheet, TFLOP/s (H100/H200 SXM: 989), for MFU.
+BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+def model_flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token, ``6 N + 12 L h s`` (PaLM, Chowdhery et al. 2022, appendix B): N counts the
+    layers' and final norm's parameters and the LM head GEMM (``h * V``), not the embedding lookup."""
+    h, L, f, v = config.hidden_size, config.n_layer, config.ffn_hidden_size, config.vocab_size
+    kv = h // config.n_head * (config.num_gqa_groups or config.n_head)
+    per_layer = h * (h + 2 * kv) + h * h + 2 * h * f
+    return 6.0 * (L * per_layer + h * v) + 12.0 * L * h * seq_len
+
+
+def _peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
+
+
+def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
+    from fp8engine import train as T
+    from fp8engine.training.distributed import init_layout
+    from fp8engine.training.step import CUDAGraphStep, set_lr
+
+    argv = ["--model", model_name, "--batch-size", str(args.batch_size or BATCH[model_name]),
+            "--steps", str(args.steps), "--device", args.device, "--sample-tokens", "0", *MODES[mode]]
+    if args.seq_len:
+        argv += ["--seq-len", str(args.seq_len)]
+    if args.data:
+        argv += ["--data", args.data]
+    run = T.prepare(T.build_parser().parse_args(argv))
+    run.layout = init_layout(1, run.device)
+    if run.device.type == "cuda":
+        run.device = torch.device("cuda", torch.cuda.current_device())
+    run.graph_problem = T.capture_problem(run.device, 1, run.args.compile)
+    model, step_model, optimizer = T._build(run)
+    step_fn = T.make_step(run, model, step_model, optimizer)
+    tokens = run.args.batch_size * run.args.seq_len
+    peak_memory_gib(reset=True)
+    times, losses = [], []
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        set_lr(optimizer, T.lr_at(step, run.args.lr, run.args.warmup_steps, run.args.steps))
+        xs, ys = T.step_batches(run, step)
+        losses.append(step_fn(xs, ys).item())
+        times.append(time.perf_counter() - t0)
+    timed = times[args.skip:]
+    step_s = statistics.median(timed)
+    flops = model_flops_per_token(run.config, run.args.seq_len) * tokens / step_s / 1e12
+    peak = _peak_tflops()
+    row = {"model": model_name, "mode": mode, "batch": f"{run.args.batch_size}x{run.args.seq_len}",
+           "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "model_tflops": flops,
+           "mfu": flops / peak if peak else float("nan"), "peak_mem_gib": peak_memory_gib(),
+           "graphed": isinstance(step_fn, CUDAGraphStep), "loss_first": losses[0], "loss_last": losses[-1]}
+    del model, step_model, optimizer, step_fn
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fp8engine.bench train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="gpt2-124m,1b", help="comma-separated model names of the training command")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, default=30, help="steps per mode (>= skip + 1)")
+    p.add_argument("--skip", type=int, default=5, help="first steps left out of the median (warm-up, capture)")
+    p.add_argument("--batch-size", type=int, help="micro-batch size (default: gpt2-124m 16, 1b 4)")
+    p.add_argument("--seq-len", type=int, help="default: the model's context")
+    p.add_argument("--data", help="training data as for the training command (default: its default)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--json", help="write the rows to this JSON file")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES] + [m for m in models if m not in BATCH]
+    if unknown or args.steps < args.skip + 1 or args.skip < 0:
+        print(f"bench train: error: unknown model/mode {unknown} or --steps {args.steps} <= --skip {args.skip}; "
+              f"models: {', '.join(BATCH)}; modes: {', '.join(MODES)}", flush=True)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench train: error: no CUDA GPU visible; pass --device cpu to exercise the code path", flush=True)
+        return 2
+    print(env_info(), flush=True)
+    rows = []
+    for model_name in models:
+        base = None
+        for mode in modes:
+            row = _run_mode(model_name, mode, args)
+            if mode == "bf16":
+                base = row["tokens_per_s"]
+            row["vs_bf16"] = row["tokens_per_s"] / base if base else float("nan")
+            rows.append(row)
+            print(f"  {model_name} {mode}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s", flush=True)
+    print_table(rows, ["model", "mode", "batch", "step_ms", "tokens_per_s", "vs_bf16", "model_tflops", "mfu",
+                       "peak_mem_gib", "graphed", "loss_first", "loss_last"])
+    write_json(args.json, "train", rows)
+    return 0

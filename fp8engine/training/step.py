@@ -1,0 +1,181 @@
+"""The training command's optimizer step: eager, or captured once in a CUDA graph and replayed.
+
+One step = ``grad_accum`` micro-batches of forward (inside the precision context: ``torch.autocast`` and the FP8
+region, whose exit runs the delayed-scaling update) and backward, gradient clipping to a global norm, the AdamW
+step, and zeroed gradients. :class:`TrainStep` runs it eagerly; :class:`CUDAGraphStep` runs its first
+``warmup`` steps eagerly (on a side stream: kernels compile, the FP8 amax histories take the recipe's length, the
+optimizer state is allocated), then captures the whole step in one ``torch.cuda.CUDAGraph`` and replays it, so the
+step costs one graph launch of host time instead of thousands of Python-dispatched kernels.
+
+What stays exact under capture: the captured kernels are the eager ones, reading and writing the same parameter,
+optimizer-state and FP8-buffer memory in place (amax histories, scales, the delayed-scaling update of every
+``fp8_autocast`` exit, the FP8 weight cache of ``is_first_microbatch``); the learning rate is a device tensor the
+optimizer reads (``AdamW(lr=tensor, fused=True)``), filled before each replay; dropout draws from the default CUDA
+generator, whose offset a replay advances as the eager step would. Graphed and eager runs of the same seed log
+the same losses (``tests/test_train_cuda.py``).
+
+What it needs: one process (no DDP, no tensor-parallel RNG tracker), static shapes (batch, sequence length,
+micro-batch count), parameters that keep their storage. ``capture_problem`` says in one line why a run cannot be
+captured; the training command prints it and runs eagerly.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["TrainStep", "CUDAGraphStep", "capture_problem", "make_optimizer", "set_lr"]
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device
+                   ) -> torch.optim.AdamW:
+    """AdamW (betas 0.9/0.95, eps 1e-8), weight decay on matrices only.
+
+    On CUDA the fused implementation with a device-tensor learning rate: one kernel per step, no host
+    synchronisation, capturable in a CUDA graph; the eager and graphed steps use it alike, so their losses match
+    bit for bit. On the CPU the default (foreach) implementation with a float learning rate.
+    """
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if device.type == "cuda":
+        return torch.optim.AdamW(groups, lr=torch.tensor(lr, dtype=torch.float32, device=device),
+                                 betas=(0.9, 0.95), eps=1e-8, fused=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's learning rate: in place where it is a device tensor (a captured step reads it there)."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def capture_problem(device: torch.device, world_size: int, compile_: bool) -> Optional[str]:
+    """Why the training step cannot be captured in a CUDA graph here (one line), or None when it can."""
+    if device.type != "cuda":
+        return "CUDA graphs need --device cuda"
+    if world_size > 1:
+        return ("CUDA graphs are not used in multi-process runs (DDP buckets and the tensor-parallel RNG tracker "
+                "switch state on the host)")
+    if compile_:
+        return "--compile runs the torch.compile'd model instead"
+    return None
+
+
+class TrainStep:
+    """One eager optimizer step.
+
+    Args:
+        step_model: the module called as ``step_model(x, y, is_first_microbatch=...)`` returning the mean loss
+            (fp32 scalar); may be a DDP wrapper (``no_sync`` is used on all but the last micro-batch).
+        params: the parameters to clip and step (the unwrapped model's).
+        optimizer: from :func:`make_optimizer`.
+        precision_context: ``() -> context manager`` entered around each micro-batch's forward.
+        grad_accum: micro-batches per step (>= 1).
+        clip: ``(params) -> norm`` clipping gradients in place (may all-reduce over tensor parallel ranks); the
+            norm is returned as a tensor (no host synchronisation).
+        after_backward: called after the last backward and before clipping (sequence-parallel gradient
+            all-reduce), or None.
+    ``__call__(xs, ys)`` takes ``[grad_accum, b, s]`` int64 token and target ids (any device) and returns the mean
+    loss over the micro-batches as a device scalar (this process's share; the caller reduces over data parallel).
+    """
+
+    def __init__(self, step_model: torch.nn.Module, params: list, optimizer: torch.optim.Optimizer,
+                 precision_context: Callable[[], contextlib.AbstractContextManager], grad_accum: int,
+                 clip: Callable[[list], torch.Tensor], after_backward: Optional[Callable[[], None]] = None,
+                 device: Optional[torch.device] = None):
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
+        self.step_model, self.params, self.optimizer = step_model, list(params), optimizer
+        self.precision_context, self.grad_accum = precision_context, grad_accum
+        self.clip, self.after_backward = clip, after_backward
+        self.device = device if device is not None else self.params[0].device
+        self.grad_norm: Optional[torch.Tensor] = None
+
+    def _step(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for micro in range(self.grad_accum):
+            first = None if self.grad_accum == 1 else micro == 0
+            last = micro == self.grad_accum - 1
+            no_sync = getattr(self.step_model, "no_sync", None)
+            sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
+            with sync:
+                with self.precision_context():
+                    loss = self.step_model(xs[micro], ys[micro], is_first_microbatch=first)
+                (loss / self.grad_accum).backward()
+            total += loss.detach().float()
+        if self.after_backward is not None:
+            self.after_backward()
+        self.grad_norm = self.clip(self.params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / self.grad_accum
+
+    def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        return self._step(xs.to(self.device, non_blocking=True), ys.to(self.device, non_blocking=True))
+
+
+class CUDAGraphStep(TrainStep):
+    """:class:`TrainStep` captured in one CUDA graph after ``warmup`` eager steps, then replayed.
+
+    Same arguments as :class:`TrainStep` (no ``after_backward``: multi-process runs are not captured), plus
+    ``warmup`` (>= 1) eager steps before the capture. Inputs are copied into static device buffers; the
+    returned loss is a static device tensor overwritten by the next call (read it before calling again).
+
+    Raises:
+        ValueError: not on CUDA, ``warmup < 1``, or a later call with other shapes than the captured ones.
+    """
+
+    def __init__(self, *args, warmup: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDAGraphStep needs CUDA parameters; got {self.device}")
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 (the optimizer state must exist before capture); got {warmup}")
+        if self.after_backward is not None:
+            raise ValueError("CUDAGraphStep does not capture after_backward hooks (multi-process runs)")
+        self.warmup, self.steps_done = warmup, 0
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self._xs = self._ys = self._loss = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _load(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
+        if self._xs is None:
+            self._xs = torch.empty(xs.shape, dtype=xs.dtype, device=self.device)
+            self._ys = torch.empty(ys.shape, dtype=ys.dtype, device=self.device)
+        if xs.shape != self._xs.shape or ys.shape != self._ys.shape:
+            raise ValueError(f"CUDAGraphStep was set up for batches {tuple(self._xs.shape)}; got {tuple(xs.shape)} "
+                             "(a captured step needs static shapes)")
+        self._xs.copy_(xs, non_blocking=True)
+        self._ys.copy_(ys, non_blocking=True)
+
+    def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        self._load(xs, ys)
+        if self.steps_done < self.warmup:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                loss = self._step(self._xs, self._ys)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.steps_done += 1
+            return loss
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        self.steps_done += 1
+        return self._loss
+
+    def _capture(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._loss = self._step(self._xs, self._ys)
+        self.graph = graph

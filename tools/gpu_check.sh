@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU check: run on a machine with a CUDA GPU, from the repository root, after every change that touches it.
+#
+#   tools/gpu_check.sh OUT_DIR [tests] [train] [bench] [layer] [all]    (default: all)
+#
+# tests  the whole test suite (all of tests/, never chosen folders: the CUDA tests of the training command live there)
+# train  the training command on gpt2-124m and 1b, fp8 (graphed and eager) and bf16, a few dozen steps each
+# bench  python -m fp8engine.bench train (every precision and mode side by side, both models)
+# layer  python -m fp8engine.bench layer and linear (with torchao.float8 when it is importable)
+# Every phase writes its log (and JSON where the benchmark has one) into OUT_DIR; the script's status is non-zero
+# when any phase failed. Carried wheels (e.g. torchao) in .whl/ are installed to /tmp/site first.
+set -uo pipefail
+OUT=${1:?usage: tools/gpu_check.sh OUT_DIR [tests] [train] [bench] [layer] [all]}
+shift
+PHASES=${*:-all}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+status=0
+want() { [[ " $PHASES " == *" $1 "* || " $PHASES " == *" all "* ]]; }
+phase() {  # phase NAME COMMAND...: run, tee to OUT/NAME.log, remember failure
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$OUT/summary.txt"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  tail -n 25 "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+python3 - > "$OUT/env.txt" 2>&1 <<'EOF'
+import torch, triton
+print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())
+EOF
+cat "$OUT/env.txt"
+if want tests; then
+  phase tests python3 -m pytest -q -x -p no:cacheprovider tests
+fi
+if want train; then
+  for model in gpt2-124m 1b; do
+    bs=16; [ "$model" = 1b ] && bs=4
+    for mode in "fp8" "fp8 --no-cuda-graphs" "bf16"; do
+      tag="train_${model}_$(echo "$mode" | tr -d ' -')"
+      # shellcheck disable=SC2086
+      phase "$tag" python3 -m fp8engine.train --device cuda --model "$model" --batch-size "$bs" --precision $mode \
+        --steps 40 --eval-interval 20 --eval-iters 4 --sample-tokens 32 --out "$OUT/$tag"
+      grep -h '"val_loss"' "$OUT/$tag/metrics.jsonl" | tail -n 1 >> "$OUT/summary.txt"
+      rm -f "$OUT/$tag"/checkpoint*.pt
+    done
+  done
+fi
+if want bench; then
+  phase bench_train python3 -m fp8engine.bench train --json "$OUT/bench_train.json"
+fi
+if want layer; then
+  # [s, b, h], ffn, heads: the performance guide's layer, the 1b and gpt2-124m layers, and a host-bound small one.
+  for shape in "2048 4 4096 16384 32" "2048 4 2048 8192 16" "1024 16 768 3072 12" "128 1 256 1024 4"; do
+    read -r s b h f n <<< "$shape"
+    phase "bench_layer_${h}" python3 -m fp8engine.bench layer --seq "$s" --batch "$b" --hidden "$h" --ffn "$f" \
+      --heads "$n" --graph --json "$OUT/bench_layer_${h}.json"
+  done
+  phase bench_linear python3 -m fp8engine.bench linear --json "$OUT/bench_linear.json"
+fi
+exit $status
