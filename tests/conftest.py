@@ -8,6 +8,9 @@ import torch
 # interpreter is switched on here, before any test imports fp8engine.kernels.*.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# JAX would otherwise reserve 75 % of the GPU's memory when its tests import it, starving the torch tests that run
+# after them in the same process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -37,7 +37,7 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
 EOF
 cat "$OUT/env.txt"
 if want tests; then
-  phase tests python3 -m pytest -q -x -p no:cacheprovider tests
+  phase tests python3 -m pytest -q --maxfail=15 -p no:cacheprovider tests
 fi
 if want train; then
   for model in gpt2-124m 1b; do
