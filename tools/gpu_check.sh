@@ -37,7 +37,11 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
 EOF
 cat "$OUT/env.txt"
 if want tests; then
-  phase tests python3 -m pytest -q --maxfail=15 -p no:cacheprovider tests
+  # pytest-xdist and pytest-timeout when installed: the suite spread over 8 workers, no test hangs the check.
+  extra=()
+  python3 -c "import xdist" 2>/dev/null && extra+=(-n 8)
+  python3 -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 300)
+  phase tests python3 -m pytest -q --maxfail=15 -p no:cacheprovider --durations=25 "${extra[@]}" tests
 fi
 if want train; then
   for model in gpt2-124m 1b; do
