@@ -17,6 +17,8 @@ from fp8engine.training.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 # Small and quick: the tiny model's shape at a short context and batch.
 QUICK = ["--batch-size", "4", "--seq-len", "32", "--eval-iters", "2", "--sample-tokens", "0"]
+# Multi-process runs here are gloo ranks on the CPU (a one-GPU machine has no cuda:1 for rank 1).
+GLOO = ["--device", "cpu"]
 
 
 def _cli(*args, cwd=None):
@@ -225,7 +227,7 @@ def _torchrun(nproc, *args):
 def test_tensor_and_data_parallel_runs_match_one_process(tmp_path, text_file):
     """2 gloo processes as tp=2 with sequence parallelism, and as dp=2, log the losses of the same run in one
     process (fp32; up to summation order); the dp run also resumes from its per-rank checkpoint."""
-    common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--precision", "fp32", *QUICK]
+    common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--precision", "fp32", *QUICK, *GLOO]
     assert main(list(map(str, common + ["--grad-accum", "2", "--out", tmp_path / "one"]))) == 0
     _torchrun(2, *common, "--grad-accum", "2", "--tp", "2", "--sequence-parallel", "--out", tmp_path / "tp")
     _torchrun(2, *common, "--out", tmp_path / "dp", "--stop-at", "3")
@@ -261,7 +263,7 @@ def test_parallel_resume_is_exact(tmp_path, text_file, layout):
     from torch.distributed.checkpoint import FileSystemReader
 
     common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--dropout", "0.1", "--precision", "fp8",
-              *QUICK, *layout]
+              *QUICK, *layout, *GLOO]
     _torchrun(2, *common, "--out", tmp_path / "full")
     _torchrun(2, *common, "--out", tmp_path / "split", "--stop-at", "3")
     keys = FileSystemReader(tmp_path / "split" / "checkpoint" / "step_3").read_metadata().state_dict_metadata
@@ -281,7 +283,7 @@ def test_parallel_resume_is_exact(tmp_path, text_file, layout):
 def test_parallel_resume_refuses_another_layout(tmp_path, text_file, capsys):
     """A checkpoint of 2 processes with --tp 2 resumed with another --tp or world size exits 2 with one line
     naming the launch to use, and leaves the checkpoint as it was."""
-    common = ["--data", text_file, "--steps", "4", "--precision", "fp32", *QUICK, "--out", tmp_path]
+    common = ["--data", text_file, "--steps", "4", "--precision", "fp32", *QUICK, *GLOO, "--out", tmp_path]
     _torchrun(2, *common, "--tp", "2", "--stop-at", "2")
     latest = (tmp_path / "checkpoint" / "latest").read_text()
     rc, stderr = _torchrun_failing(2, *common, "--tp", "1", "--resume")

@@ -185,7 +185,8 @@ class GPT(nn.Module):
                                                 reduce_scatter_embeddings=sequence_parallel,
                                                 init_method=_normal_init(config.init_std), params_dtype=dtype,
                                                 device=device)
-        self.rotary = RotaryEmbedding(config.head_dim, base=config.rotary_base)
+        self.rotary = RotaryEmbedding(config.head_dim, base=config.rotary_base, device=device)
+        self._rope_cache: dict = {}
         layer_kwargs = dict(
             num_gqa_groups=config.num_gqa_groups, layernorm_epsilon=config.layernorm_eps,
             hidden_dropout=config.dropout, attention_dropout=config.dropout, self_attn_mask_type="causal",
@@ -229,7 +230,7 @@ class GPT(nn.Module):
         if s > self.config.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds the model's max_seq_len={self.config.max_seq_len}")
         hidden = self._embed(tokens)                            # [s(/tp), b, h]
-        rope = self.rotary(s).to(hidden.device)                  # [s, 1, 1, head_dim]
+        rope = self._rope(s, hidden.device)                      # [s, 1, 1, head_dim]
         for layer in self.layers:
             hidden = layer(hidden, is_first_microbatch=is_first_microbatch, rotary_pos_emb=rope)
         hidden = self.final_norm(hidden)
@@ -237,6 +238,15 @@ class GPT(nn.Module):
         if targets is None:
             return logits.transpose(0, 1)
         return self._loss(logits, targets.t())
+
+    def _rope(self, s: int, device: torch.device) -> torch.Tensor:
+        """Rotary angles ``[s, 1, 1, head_dim]`` fp32 on ``device``, computed once per (length, device): no
+        host-to-device copy per forward (which a captured CUDA graph would also refuse)."""
+        key = (s, device)
+        rope = self._rope_cache.get(key)
+        if rope is None:
+            rope = self._rope_cache[key] = self.rotary(s).to(device)
+        return rope
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head in high precision: ``hidden @ embedding.weight.T``."""

@@ -38,13 +38,13 @@ class RotaryEmbedding(nn.Module):
     :func:`apply_rotary_pos_emb` expects. ``dim`` (even) may be smaller than the head dim (partial rotary).
     """
 
-    def __init__(self, dim: int, base: float = 10000.0):
+    def __init__(self, dim: int, base: float = 10000.0, device=None):
         super().__init__()
         if dim <= 0 or dim % 2:
             raise ValueError(f"RotaryEmbedding: dim must be a positive even number, got {dim}")
         self.dim = dim
-        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim),
-                             persistent=False)
+        inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         pos = torch.arange(offset, offset + max_seq_len, dtype=torch.float32, device=self.inv_freq.device)
