@@ -5,8 +5,8 @@ bf16 pre-LN block of ../shared/ANCHORS.md, and torchao.float8 (tensorwise) on th
 With ``--tp T`` (launch with ``torchrun --nproc-per-node T``) the layer runs tensor parallel with sequence
 parallelism over T GPUs, same global batch; times are per step (every rank runs the step concurrently).
 
-With ``--rounds R`` every row is timed R times, the rows interleaved (round 1 of every row, then round 2, ...), and
-the medians over rounds are reported: the GPU's speed drifts over a run (rows timed later ran slower), and
+With ``--rounds R`` every row is timed R times, the rows interleaved (every row once, then every row again, ...),
+and the medians over rounds are reported: the GPU's speed drifts over a run (rows timed later ran slower), and
 interleaving spreads that drift over all rows.
 
 Two timings per row: ``ms`` = median of single steps, each after a synchronisation (the ANCHORS.md method: every
