@@ -11,6 +11,10 @@ if not torch.cuda.is_available():
 # JAX would otherwise reserve 75 % of the GPU's memory when its tests import it, starving the torch tests that run
 # after them in the same process.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# The JAX frontend's tests assert exact scale rules and float64-referenced results that hold on XLA's CPU backend;
+# XLA's GPU backend rewrites divisions and float32 matmuls (approximate reciprocal, TF32), so on a GPU machine
+# the JAX tests still run on the CPU backend. (Set JAX_PLATFORMS yourself to try another backend.)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
