@@ -41,6 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 import fp8engine
+from fp8engine._cli import CommandParser
 from fp8engine.fp8.autocast import FP8Context, recompute_context
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
 from fp8engine.parallel import RNGStatesTracker, all_reduce_sequence_parallel_grads, model_parallel_manual_seed
@@ -67,8 +68,8 @@ _SAMPLE_TEMPERATURE, _SAMPLE_TOP_K = 0.8, 40
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fp8engine.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = CommandParser(prog="python -m fp8engine.train", description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # adds --version
     p.add_argument("--data", help="text file (byte-level tokens) or directory with nanoGPT train.bin/val.bin "
                                   "(uint16); default: this Python's standard-library .py sources")
     p.add_argument("--model", default="tiny", choices=list(GPT_CONFIGS), help="named model size")

@@ -9,11 +9,11 @@ minimum traffic; a device-to-device copy on the H200 moves 4.24 TB/s (../shared/
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 import fp8engine as fe
+from fp8engine._cli import CommandParser
 from fp8engine.bench.common import env_info, print_table, time_back_to_back, time_fn, write_json
 
 
@@ -25,7 +25,7 @@ def _eager_three_pass(x, fp8_dtype):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp8engine.bench cast", description=__doc__)
+    p = CommandParser(prog="python -m fp8engine.bench cast", description=__doc__)
     p.add_argument("--m", type=int, default=32768)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--iters", type=int, default=50)

@@ -5,17 +5,17 @@ and the FP8 path a column-parallel layer runs (current-scaling amax all-reduce +
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
 
+from fp8engine._cli import CommandParser
 from fp8engine.bench.common import env_info, print_table, write_json
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp8engine.bench comm", description=__doc__)
+    p = CommandParser(prog="python -m fp8engine.bench comm", description=__doc__)
     p.add_argument("--shapes", default="2048x4x4096,8192x4x4096", help="global s x b x h list")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)

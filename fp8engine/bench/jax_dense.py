@@ -9,12 +9,13 @@ on CPU. Imports only jax/flax (no torch).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
 import time
 from typing import Callable, Optional
+
+from fp8engine._cli import CommandParser
 
 __all__ = ["main"]
 
@@ -104,7 +105,7 @@ def _markdown(rows) -> str:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m fp8engine.bench jax", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="python -m fp8engine.bench jax", description=__doc__.split("\n\n")[0])
     p.add_argument("--m", type=int, default=8192)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--n", type=int, default=16384)

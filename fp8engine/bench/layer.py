@@ -5,8 +5,8 @@ bf16 pre-LN block of ../shared/ANCHORS.md, and torchao.float8 (tensorwise) on th
 With ``--tp T`` (launch with ``torchrun --nproc-per-node T``) the layer runs tensor parallel with sequence
 parallelism over T GPUs, same global batch; times are per step (every rank runs the step concurrently).
 
-With ``--rounds R`` every row is timed R times, the rows interleaved (round 1 of every row, then round 2, ...), and
-the medians over rounds are reported: the GPU's speed drifts over a run (rows timed later ran slower), and
+With ``--rounds R`` every row is timed R times, the rows interleaved (every row once, then every row again, ...),
+and the medians over rounds are reported: the GPU's speed drifts over a run (rows timed later ran slower), and
 interleaving spreads that drift over all rows.
 
 Two timings per row: ``ms`` = median of single steps, each after a synchronisation (the ANCHORS.md method: every
@@ -18,7 +18,6 @@ FLOPs per step (fwd+bwd = 3x fwd): GEMMs ``2*t*(4*h*h + 2*h*f)`` per fwd, t = s*
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8engine as fe
+from fp8engine._cli import CommandParser
 from fp8engine.bench.common import env_info, peak_memory_gib, print_table, time_back_to_back, time_fn, write_json
 from fp8engine.bench.torchao_ref import torchao_available, torchao_float8
 
@@ -192,7 +192,7 @@ def run_tp(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp8engine.bench layer", description=__doc__)
+    p = CommandParser(prog="python -m fp8engine.bench layer", description=__doc__)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--hidden", type=int, default=4096)

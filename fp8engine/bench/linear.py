@@ -4,12 +4,12 @@ FLOPs counted: 3 GEMMs of ``2*M*K*N`` each (fprop, dgrad, wgrad).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
 import fp8engine as fe
+from fp8engine._cli import CommandParser
 from fp8engine.bench.common import env_info, peak_memory_gib, print_table, time_fn, write_json
 from fp8engine.bench.torchao_ref import torchao_available, torchao_float8
 
@@ -63,7 +63,7 @@ def bench_shape(m: int, k: int, n: int, device: str, iters: int, with_torchao: b
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp8engine.bench linear", description=__doc__)
+    p = CommandParser(prog="python -m fp8engine.bench linear", description=__doc__)
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN list")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1, help="time the rows this many times, interleaved; report medians")

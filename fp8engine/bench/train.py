@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from fp8engine._cli import CommandParser
 from fp8engine.bench.common import env_info, peak_memory_gib, print_table, write_json
 
 __all__ = ["main", "MODES", "model_flops_per_token"]
@@ -99,7 +100,7 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fp8engine.bench train", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="python -m fp8engine.bench train", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt2-124m,1b", help="comma-separated model names of the training command")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument("--steps", type=int, default=30, help="steps per mode (>= skip + 1)")
@@ -113,17 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES] + [m for m in models if m not in BATCH]
-    if unknown or args.steps < args.skip + 1 or args.skip < 0:
-        print(f"bench train: error: unknown model/mode {unknown} or --steps {args.steps} <= --skip {args.skip}; "
-              f"models: {', '.join(BATCH)}; modes: {', '.join(MODES)}", flush=True)
-        return 2
+    if unknown or args.steps < args.skip + 1 or args.skip < 0:  # usage errors: one line, exit 2
+        parser.error(f"unknown model/mode {unknown} or --steps {args.steps} <= --skip {args.skip}; "
+                     f"models: {', '.join(BATCH)}; modes: {', '.join(MODES)}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench train: error: no CUDA GPU visible; pass --device cpu to exercise the code path", flush=True)
-        return 2
+        parser.error("no CUDA GPU visible; pass --device cpu to exercise the code path")
     print(env_info(), flush=True)
     rows = []
     for model_name in models:

@@ -85,7 +85,7 @@ BWD_BLOCK_N = 64
 def _sigmoid(x):
     """1 / (1 + exp(-x)) with the fast division (``tl.fdiv``, not IEEE-rounded: an ulp or two in fp32, inside
     the tests' tolerance for transcendental math) instead of tl.sigmoid's IEEE division, a longer instruction
-    sequence. Its share of the kernels' time was not measured apart (docs/benchmarks.md, run H)."""
+    sequence. Its share of the kernels' time was not measured apart."""
     return tl.fdiv(1.0, 1.0 + tl.exp(-x))
 
 

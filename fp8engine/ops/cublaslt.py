@@ -7,9 +7,10 @@ build of torch already loaded (no C++ build): accumulation into the output (cuBL
 fp32 write and two fp32 reads of the weight's size). TransformerEngine makes the same cuBLASLt call with
 ``accumulate=True`` for its wgrad into ``main_grad``. The GELU epilogue lets fc1's fprop write the FP8 GELU output
 (and the pre-activation for the backward) itself, instead of a bf16 output that an activation kernel reads again
-(H200: the fc1 GEMM + activation pair 0.991 vs 1.067 ms in ``tools/probe_epilogue.py``, the layer step -0.20 ms
-back-to-back in ``bench layer``; the backward's ``DGELU_BGRAD`` has no FP8-output kernel there, status 15, and with
-a bf16 output it is slower than the GEMM + Triton kernel).
+(H200, 2026-11-21: the fc1 GEMM + activation pair 0.991 vs 1.067 ms in ``python tools/gelu_epilogue_variants.py
+--rounds 5``, the layer step -0.20 ms back-to-back in ``python -m fp8engine.bench layer --graph --rounds 3``; the
+backward's ``DGELU_BGRAD`` has no FP8-output kernel there, status 15, and with a bf16 output it is slower than the
+GEMM + Triton kernel).
 
 Layout: torch tensors are row-major and cuBLASLt is column-major, so the row-major ``out [M, N] += a [M, K] @ b.T``
 (``b [N, K]``) is the column-major ``out^T [N, M] += op_T(b) @ a`` -- cuBLASLt's "TN" form, the only one its FP8
@@ -316,7 +317,7 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
               algo_index: int = 0) -> None:
     """``out (+)= (a * a_scale_inv) @ (b * b_scale_inv).T`` through cuBLASLt; ``out`` float32 / bfloat16 / float16
     ``[M, N]`` contiguous. ``algo_index`` picks the i-th algorithm of cuBLASLt's heuristic ranking (0 = its first
-    choice, what ``torch._scaled_mm`` runs); ``tools/probe_cublaslt.py`` times the others. Operands and errors as
+    choice, what ``torch._scaled_mm`` runs); ``tools/gemm_cublaslt_choices.py`` times the others. Operands and errors as
     :func:`scaled_mm_accumulate`; IndexError when the heuristic returns fewer than ``algo_index + 1`` algorithms.
     """
     _require_context("scaled_mm")

@@ -124,8 +124,8 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     runs :func:`fp8_gemm` plus the activation kernel instead (also for M = 0).
 
     Numerics: GELU is applied by cuBLASLt to the fp32 ``h`` (the unfused path applies it to ``h`` rounded to
-    ``out_dtype``), so about 2 % of the FP8 bytes differ by one step (H200, ``tools/probe_epilogue.py``); ``h``
-    itself is the same. ``scale_inv`` is ``1 / scale`` (IEEE division, as the cast kernels write it).
+    ``out_dtype``), so about 2 % of the FP8 bytes differ by one step (H200, ``python tools/gelu_epilogue_variants.py``,
+    2026-11-21); ``h`` itself is the same. ``scale_inv`` is ``1 / scale`` (IEEE division, as the cast kernels write it).
     Args: a ``[M, K]`` / b ``[N, K]`` Float8Tensors (data viewed as 2-D); bias ``[N]``; scale / amax_out
     1-element float32 (``amax_out`` None: amax not recorded).
     """
@@ -139,7 +139,8 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     if any(t.data_ptr() % 16 for t in (a2, b2, bias, a.scale_inv, b.scale_inv)):
         return None
     # cuBLASLt reads scalars and vectors through 16-byte aligned pointers only (a scale view 4 bytes into a shared
-    # buffer was refused with status 15, fourth session): the state's scale row is copied when it is not aligned
+    # buffer is refused with status 15, NOT_SUPPORTED; H200, cuBLAS 13): the state's scale row is copied when it is
+    # not aligned
     out_scale = scale if scale.data_ptr() % 16 == 0 else scale.clone()
     m, n = a2.shape[0], b2.shape[0]
     h = torch.empty(m, n, dtype=out_dtype, device=a2.device)

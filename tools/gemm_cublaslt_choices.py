@@ -1,5 +1,5 @@
-"""The layer's 12 FP8 GEMMs through ``torch._scaled_mm`` and through ``fp8engine.ops.cublaslt`` with each of
-cuBLASLt's ranked algorithms (a measurement tool, CUDA only, not a benchmark of record).
+"""Does another cuBLASLt algorithm, torch's rowwise dispatch or the accumulating wgrad GEMM beat ``torch._scaled_mm``
+at the layer's 12 FP8 GEMMs? (CUDA; a measurement tool, not a benchmark of record)
 
 Prints, per GEMM (qkv / proj / fc1 / fc2 x fprop / dgrad / wgrad at ``[seq * batch]`` tokens):
 - ``_scaled_mm`` as the layer calls it (no bias here, so both sides run the same epilogue);
@@ -11,7 +11,7 @@ Prints, per GEMM (qkv / proj / fc1 / fc2 x fprop / dgrad / wgrad at ``[seq * bat
 and the host microseconds per call of both entry points (GPU kept busy by a sleep kernel).
 Cases run interleaved over ``--rounds`` rounds; medians reported (the board's clock drifts under its power cap).
 
-Usage: python tools/probe_cublaslt.py [--tokens 8192 --hidden 4096 --ffn 16384] [--algos 16] [--rounds 3]
+Usage: python tools/gemm_cublaslt_choices.py [--tokens 8192 --hidden 4096 --ffn 16384] [--algos 16] [--rounds 3]
 """
 import argparse
 import statistics
@@ -21,7 +21,7 @@ import torch
 from fp8engine.bench.common import host_us_per_call, print_table, time_fn
 from fp8engine.ops import cublaslt
 
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--tokens", type=int, default=8192)
 p.add_argument("--hidden", type=int, default=4096)
 p.add_argument("--ffn", type=int, default=16384)

@@ -1,10 +1,11 @@
-"""Activation kernels, the QKV-gradient gather, host cost per launch (CUDA only).
+"""How close are the activation kernels and the QKV-gradient gather to the memory floor of a plain cast, do their
+hardware FP8 conversions give the emulation's bytes, and what does a Triton launch cost on the host? (CUDA)
 
 A measurement tool, not a benchmark of record: each kernel is first checked bit-exact against the same
 kernel with the exact FP8 emulation (FP8ENGINE_EMULATE_FP8_CVT=1), then timed with CUDA events (median of 20 after
 warm-up) at the layer's shapes (8192 x 16384 bf16 for the MLP activation, SDPA-layout dq/dk/dv for 32 heads of 128).
 
-Usage: python tools/tune_kernels.py [--only act|qkv|host]
+Usage: python tools/kernels_vs_memory_floor.py [--only act|qkv|host]
 """
 import argparse
 import os
@@ -16,7 +17,7 @@ from fp8engine.kernels import activation as act
 from fp8engine.kernels import cast
 from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
 
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--only", default=None, choices=["act", "qkv", "host"])
 p.add_argument("--m", type=int, default=8192)
 p.add_argument("--n", type=int, default=16384)

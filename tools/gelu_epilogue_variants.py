@@ -1,4 +1,5 @@
-"""Can cuBLASLt's GELU epilogues replace the MLP's activation kernels? (a measurement tool, CUDA only)
+"""Which cuBLASLt GELU epilogues take FP8, and do they beat the GEMM + Triton activation kernel pair of the MLP?
+(CUDA; a measurement tool)
 
 Forward, fc1 fprop: today ``_scaled_mm`` (bias epilogue, bf16 out) writes h, then ``gelu_fwd`` reads h and writes
 the FP8 activation with its amax. Candidate: one cuBLASLt GEMM with ``GELU_AUX_BIAS``: D = GELU(acc + b1) in FP8
@@ -13,9 +14,11 @@ amax, and whether AMAX_D overwrites or max-accumulates), and ms per variant (CUD
 interleaved rounds, medians).
 
 The variant that paid (GELU_AUX_BIAS, C = NULL, fast accumulation) is now ``fp8engine.ops.cublaslt.scaled_mm_bias_gelu``;
-this tool keeps its own descriptor code to try the variants the library does not offer (batches s7a, s7b).
+this tool keeps its own descriptor code to try the variants the library does not offer (C aliased to D or a
+separate buffer, no fast accumulation, and with ``--bwd`` the DGELU_BGRAD backward, which cuBLAS 13 refused with an
+FP8 output and ran slower than the kernels with a bf16 one: docs/benchmarks.md).
 
-Usage: python tools/probe_epilogue.py [--tokens 8192 --hidden 4096 --ffn 16384] [--rounds 5]
+Usage: python tools/gelu_epilogue_variants.py [--tokens 8192 --hidden 4096 --ffn 16384] [--rounds 5]
 """
 import argparse
 import ctypes
@@ -33,12 +36,12 @@ from fp8engine.kernels import activation as ka
 from fp8engine.kernels.cast import transpose_fp8
 from fp8engine.ops import cublaslt as lt
 
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--tokens", type=int, default=8192)
 p.add_argument("--hidden", type=int, default=4096)
 p.add_argument("--ffn", type=int, default=16384)
 p.add_argument("--rounds", type=int, default=5)
-p.add_argument("--bwd", action="store_true", help="also the DGELU_BGRAD variants (batch s7a: FP8 D refused, bf16 D slower)")
+p.add_argument("--bwd", action="store_true", help="also the DGELU_BGRAD backward variants")
 args = p.parse_args()
 M, H, F = args.tokens, args.hidden, args.ffn
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16

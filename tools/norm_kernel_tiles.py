@@ -1,5 +1,12 @@
-"""Time the LayerNorm kernels (FP8-output forward, backward) and the partial-sum reduction on CUDA for a few tile
-configurations: ``python tools/tune_norm.py [--m 8192 --n 4096]``. Prints one row per configuration (us)."""
+"""Which tile, warps and backward waves make the LayerNorm kernels fastest? (CUDA; a tuning tool)
+
+Times the FP8-output LayerNorm forward, its backward and the partial-sum reduction for a few configurations and
+prints one row per configuration (us), with how many FP8 bytes differ from the first configuration (the row
+reductions' order depends on the tile). The constants it tunes are ``NORM_TILE``, ``NORM_BWD_WAVES`` and the warps
+rule in ``fp8engine/kernels/norm.py``.
+
+Usage: python tools/norm_kernel_tiles.py [--m 8192 --n 4096]
+"""
 import argparse
 
 import torch
@@ -8,7 +15,7 @@ import triton.testing
 from fp8engine.kernels import _common
 from fp8engine.kernels import norm as kn
 
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--m", type=int, default=8192)
 p.add_argument("--n", type=int, default=4096)
 args = p.parse_args()

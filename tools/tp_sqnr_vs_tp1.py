@@ -1,9 +1,12 @@
-"""TransformerLayer tensor + sequence parallel vs tp=1 on GPUs (NCCL), bf16 and FP8, same seed and weights.
+"""How close is the tensor (+ sequence) parallel TransformerLayer to tp=1 on GPUs over NCCL, in bf16 and FP8?
+(the CPU tests check the same on gloo; this runs it on the GPUs' kernels and NCCL)
 
-Usage: torchrun --nproc-per-node T tools/tp_numerics.py. Each rank builds the unsharded layer (the tp=1 reference)
+Usage: torchrun --nproc-per-node T tools/tp_sqnr_vs_tp1.py. TransformerLayer(2048, 8192, 16) on [1024, 2, 2048]
+bf16, 3 steps (delayed scaling calibrates). Each rank builds the unsharded layer (the tp=1 reference)
 and the TP layer whose parameters are the slices of the reference's; prints per-rank SQNR (dB) of the output,
 the input gradient and the worst parameter gradient against the reference.
 """
+import argparse
 import os
 
 import torch
@@ -83,4 +86,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -1,4 +1,4 @@
-"""Where the FP8 TransformerLayer's step time goes, on CUDA (a measurement tool, not a benchmark of record).
+"""Where does the FP8 TransformerLayer's step time go? (CUDA; a measurement tool, not a benchmark of record)
 
 Prints:
 1. the layer's 12 FP8 GEMMs as the layer runs them and in alternative cuBLASLt configurations (fast accumulation
@@ -6,9 +6,12 @@ Prints:
 2. causal SDPA fwd+bwd ``[b, H, s, d]`` per backend (flash, cuDNN, efficient);
 3. the FP8 layer step: GPU time (CUDA events) and host issue time (the step issued behind a long sleep kernel,
    so the host never waits for the GPU);
-4. a profiler table of the FP8 step by CUDA kernel (grads reset to None every step, as in ``bench layer``).
+4. a profiler table of the FP8 step by CUDA kernel (grads reset to None every step, as in ``bench layer``), the
+   GPU busy / idle time per step of 5 back-to-back steps with the largest gaps, back-to-back ms per step, and the
+   kernel sequence of one synchronised step with the idle time before each kernel.
 
-Usage: python tools/probe_layer.py [--seq 2048 --batch 4 --hidden 4096 --ffn 16384 --heads 32] [--skip-gemm]
+Usage: python tools/layer_time_breakdown.py [--seq 2048 --batch 4 --hidden 4096 --ffn 16384 --heads 32]
+       [--skip-gemm] [--skip-sdpa] [--host-profile]
 """
 import argparse
 import time
@@ -22,7 +25,7 @@ import fp8engine as fe
 from fp8engine.bench.common import print_table, time_back_to_back, time_fn
 from fp8engine.modules.transformer import TransformerLayer
 
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--seq", type=int, default=2048)
 p.add_argument("--batch", type=int, default=4)
 p.add_argument("--hidden", type=int, default=4096)

@@ -1,0 +1,48 @@
+"""The GPU tools in tools/ stay runnable and documented: every Python tool imports and answers ``--help`` with exit 0
+on a machine without a GPU (they parse their options before touching CUDA), and tools/README.md names every file
+in tools/ (and nothing that is not there)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "tools"
+
+# One interpreter for all tools (torch is imported once): run each as __main__ with argv [path, --help] and report
+# "name exit-code first-usage-line" per tool.
+_RUN_ALL = r"""
+import contextlib, io, runpy, sys
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    out, code = io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code
+    first = (out.getvalue().splitlines() or [""])[0]
+    print(path.rsplit("/", 1)[-1], code, first, sep="\t")
+"""
+
+
+def test_every_python_tool_answers_help_without_a_gpu():
+    tools = sorted(str(p) for p in TOOLS.glob("*.py"))
+    assert tools
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _RUN_ALL, *tools], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {name: (code, first) for name, code, first in (line.split("\t") for line in proc.stdout.splitlines())}
+    assert sorted(results) == sorted(Path(t).name for t in tools)
+    for name, (code, first) in results.items():
+        assert code == "0" and first.startswith(f"usage: {name}"), (name, code, first)
+
+
+def test_readme_names_every_tool():
+    readme = (TOOLS / "README.md").read_text()
+    named = set(re.findall(r"tools/([\w.]+\.(?:py|sh))\b", readme))
+    present = {p.name for p in TOOLS.iterdir() if p.suffix in (".py", ".sh")}
+    assert named == present, (sorted(named - present), sorted(present - named))
