@@ -125,17 +125,25 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU visible; pass --device cpu to exercise the code path")
     print(env_info(), flush=True)
-    rows = []
+    rows, failed = [], False
     for model_name in models:
         base = None
         for mode in modes:
-            row = _run_mode(model_name, mode, args)
+            try:
+                row = _run_mode(model_name, mode, args)
+            except Exception as err:  # one failing mode must not hide the others' rows; the status says it failed
+                print(f"  {model_name} {mode}: FAILED: {type(err).__name__}: {err}", flush=True)
+                rows.append({"model": model_name, "mode": mode, "error": f"{type(err).__name__}: {err}"[:200]})
+                failed = True
+                gc.collect()
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                continue
             if mode == "bf16":
                 base = row["tokens_per_s"]
             row["vs_bf16"] = row["tokens_per_s"] / base if base else float("nan")
             rows.append(row)
             print(f"  {model_name} {mode}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s", flush=True)
     print_table(rows, ["model", "mode", "batch", "step_ms", "tokens_per_s", "vs_bf16", "model_tflops", "mfu",
-                       "peak_mem_gib", "graphed", "loss_first", "loss_last"])
+                       "peak_mem_gib", "graphed", "loss_first", "loss_last", "error"])
     write_json(args.json, "train", rows)
-    return 0
+    return 1 if failed else 0

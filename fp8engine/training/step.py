@@ -41,7 +41,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, devic
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if device.type == "cuda":
         return torch.optim.AdamW(groups, lr=torch.tensor(lr, dtype=torch.float32, device=device),
-                                 betas=(0.9, 0.95), eps=1e-8, fused=True)
+                                 betas=(0.9, 0.95), eps=1e-8, fused=True, capturable=True)
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
