@@ -28,7 +28,7 @@ phase() {  # phase NAME COMMAND...: run, tee to OUT/NAME.log, remember failure
   "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "=== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
-  tail -n 25 "$OUT/$name.log"
+  tr '\r' '\n' < "$OUT/$name.log" | grep -av "step/s\|it/s\|^\s*$" | tail -n 15  # progress bars left out
   [ "$rc" -eq 0 ] || status=1
 }
 python3 - > "$OUT/env.txt" 2>&1 <<'EOF'
