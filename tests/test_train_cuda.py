@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp8engine.train import main
-from fp8engine.training.step import CUDAGraphStep, capture_problem
+from fp8engine.training.step import CUDAGraphStep, capture_problem, set_lr
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -94,3 +94,17 @@ def test_graph_step_refuses_cpu_parameters():
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="CUDA parameters"):
         CUDAGraphStep(p, [p], torch.optim.SGD([p], lr=1.0), lambda: None, 1, lambda ps: None)
+
+
+def test_set_lr_fills_in_place_and_moves_a_loaded_lr_to_the_parameters_device():
+    """A checkpoint loaded with map_location="cpu" leaves tensor learning rates on the CPU; fused AdamW would read
+    them as host scalars, frozen into a CUDA graph at capture (a resumed graphed run then drifted from step 9)."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=torch.tensor(0.5))
+    lr = opt.param_groups[0]["lr"]
+    set_lr(opt, 0.25)
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.25  # same tensor: a captured step reads it
+    on_meta = torch.nn.Parameter(torch.zeros(2, device="meta"))  # stands in for a CUDA parameter
+    opt = torch.optim.AdamW([on_meta], lr=torch.tensor(0.5))
+    set_lr(opt, 0.125)
+    assert opt.param_groups[0]["lr"].device.type == "meta"

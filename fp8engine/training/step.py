@@ -46,12 +46,20 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, devic
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set every group's learning rate: in place where it is a device tensor (a captured step reads it there)."""
+    """Set every group's learning rate: in place where it is a device tensor (a captured step reads it there).
+
+    A tensor learning rate that is not on its parameters' device (``optimizer.load_state_dict`` of a checkpoint
+    loaded with ``map_location="cpu"`` puts it on the CPU) is replaced by one on that device: the fused AdamW reads
+    a CPU learning rate as a host scalar, which a CUDA graph would freeze at its capture-time value.
+    """
     for group in optimizer.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
+        current = group["lr"]
+        if not isinstance(current, torch.Tensor):
             group["lr"] = lr
+        elif current.device != group["params"][0].device:
+            group["lr"] = torch.tensor(lr, dtype=torch.float32, device=group["params"][0].device)
+        else:
+            current.fill_(lr)
 
 
 def capture_problem(device: torch.device, world_size: int, compile_: bool) -> Optional[str]:
@@ -173,6 +181,11 @@ class CUDAGraphStep(TrainStep):
         return self._loss
 
     def _capture(self) -> None:
+        for group in self.optimizer.param_groups:
+            lr = group["lr"]
+            if not (isinstance(lr, torch.Tensor) and lr.device == self.device):
+                raise ValueError(f"CUDAGraphStep needs each learning rate as a tensor on {self.device} (a host value "
+                                 f"would be frozen into the graph); got {lr!r}: set it with set_lr")
         torch.cuda.synchronize(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
