@@ -35,6 +35,8 @@ class ScalingState(nn.Module):
         self.register_buffer("scale", torch.ones(n, dtype=torch.float32, device=device))
         self.register_buffer("update_step", torch.zeros((), dtype=torch.int64, device=device))
         self._fp8_max_cache: dict = {}
+        #: (recipe, record_amax) -> (scale, amax_history, LinearQuantizers per GEMM); see fp8.quantizer
+        self._quantizers: dict = {}
 
     def index(self, role: str) -> int:
         return self.roles.index(role)
