@@ -8,7 +8,7 @@ import torch
 
 import fp8engine as fe
 from fp8engine.fp8.float8_tensor import Float8Tensor
-from fp8engine.ops import cublaslt
+from fp8engine.kernels import cublaslt
 from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
 from fp8engine.ops.mlp import MLP_ROLES, fc1_fprop_act, fp8_mlp
 from fp8engine.fp8.state import ScalingState
