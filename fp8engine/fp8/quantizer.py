@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from fp8engine.fp8.dtypes import fp8_dtype_of
-from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize_current, quantize_torch, use_kernels
+from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize_torch, use_kernels
 from fp8engine.recipe import CurrentScaling, DelayedScaling
 
 __all__ = ["Quantizer", "LinearQuantizers", "get_quantizers", "recipe_kind"]
@@ -70,19 +70,21 @@ class Quantizer:
     def record_amax(self) -> bool:
         return self.amax is not None
 
-    def kernel_scale(self, x: torch.Tensor, amax: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``(scale [1] fp32, amax_out [1] fp32 or None)`` for a kernel that writes ``x`` in FP8: delayed scaling
-        gives its views; current scaling ``fp8_max / amax(x)`` (``amax`` from the ``compute_amax`` kernel, one read
-        of ``x``, unless given) and no amax output."""
+    def _kernel_args(self, x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple:
+        """``(scale, amax_out, scale_from_amax)`` for a cast kernel writing ``x``: delayed scaling passes its views;
+        current scaling passes ``max |x|`` (from the ``compute_amax`` kernel, one read of ``x``, unless given) as
+        the scale operand and lets the cast kernel derive the scale from it on the device (no torch ops between
+        the two launches, no host synchronisation)."""
         if self.delayed:
-            return self.scale, self.amax
+            return self.scale, self.amax, False
         if amax is None:
             from fp8engine.kernels.cast import compute_amax
 
             amax = torch.zeros(1, dtype=torch.float32, device=x.device)
             compute_amax(x, amax)
-        return current_scale(amax, self.fp8_dtype), None
+        else:
+            amax = amax.float().reshape(1)
+        return amax, None, True
 
     def quantize(self, x: torch.Tensor, *, transpose: bool = False,
                  amax: Optional[torch.Tensor] = None) -> Float8Tensor:
@@ -94,11 +96,14 @@ class Quantizer:
             from fp8engine.kernels.cast import cast_to_fp8
 
             x = x.contiguous()
-            scale, amax_out = self.kernel_scale(x, amax)
-            data, data_t, scale_inv = cast_to_fp8(x, scale, self.fp8_dtype, amax_out, transpose=transpose)
+            scale, amax_out, from_amax = self._kernel_args(x, amax)
+            data, data_t, scale_inv = cast_to_fp8(x, scale, self.fp8_dtype, amax_out, transpose=transpose,
+                                                  scale_from_amax=from_amax)
             return Float8Tensor(data, scale_inv, x.dtype, data_t)
         if not self.delayed:
-            return quantize_current(x, self.fp8_dtype, transpose=transpose, amax=amax)
+            if amax is None:
+                amax = x.detach().abs().amax()
+            return quantize_torch(x, self.fp8_dtype, current_scale(amax, self.fp8_dtype), None, transpose)
         return quantize_torch(x, self.fp8_dtype, self.scale, self.amax, transpose)
 
     def quantize_dbias(self, dy: torch.Tensor, *, transpose: bool,
@@ -113,8 +118,9 @@ class Quantizer:
             from fp8engine.kernels.cast import cast_transpose_dbias
 
             dy = dy.contiguous()
-            scale, amax_out = self.kernel_scale(dy)
-            data, data_t, scale_inv, db = cast_transpose_dbias(dy, scale, self.fp8_dtype, amax_out)
+            scale, amax_out, from_amax = self._kernel_args(dy)
+            data, data_t, scale_inv, db = cast_transpose_dbias(dy, scale, self.fp8_dtype, amax_out,
+                                                               scale_from_amax=from_amax)
             return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
         dy_fp8 = self.quantize(dy, transpose=transpose)
         return dy_fp8, (dy.sum(0, dtype=torch.float32).to(dy.dtype) if dbias else None)
