@@ -146,10 +146,12 @@ def quantize_torch(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor,
                    amax_out: Optional[torch.Tensor] = None, transpose: bool = False) -> Float8Tensor:
     """The plain-PyTorch path of :func:`quantize` (no checks, no dispatch; ``scale`` a ``[1]`` float32 tensor):
     the reference the cast kernels are tested against and the CPU backend."""
-    if amax_out is not None:
-        torch.maximum(amax_out, x.detach().abs().amax().float().reshape(amax_out.shape), out=amax_out)
+    x = x.detach()
+    if amax_out is not None:  # the 0-dim amax in x.dtype is promoted (exactly) to float32 by maximum
+        torch.maximum(amax_out, x.abs().amax(), out=amax_out)
     fp8_max = fp8_max_of(fp8_dtype)
-    data = (x.detach().float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    # x (bf16/fp16/fp32) times the [1] float32 scale computes in float32: the same product as x.float() * scale
+    data = torch.mul(x, scale).clamp_(-fp8_max, fp8_max).to(fp8_dtype)
     out = Float8Tensor(data, scale.reciprocal(), x.dtype)
     if transpose:
         out.transpose_2d()
