@@ -127,7 +127,7 @@ def test_module_forward_builds_once():
     for _ in range(3):
         with fe.autocast(recipe=fe.DelayedScaling()):
             mod(x).sum().backward()
-    assert len(mod.fp8_state._quantizers) == 1
+    assert len([k for k in mod.fp8_state._quantizers if k is not None]) == 1  # one recipe, one set
 
 
 def test_bad_arguments():
