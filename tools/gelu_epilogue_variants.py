@@ -13,7 +13,7 @@ agreement with the kernels (byte match of the FP8 outputs, SQNR against float64 
 amax, and whether AMAX_D overwrites or max-accumulates), and ms per variant (CUDA events, back-to-back,
 interleaved rounds, medians).
 
-The variant that paid (GELU_AUX_BIAS, C = NULL, fast accumulation) is now ``fp8engine.ops.cublaslt.scaled_mm_bias_gelu``;
+The variant that paid (GELU_AUX_BIAS, C = NULL, fast accumulation) is now ``fp8engine.kernels.cublaslt.scaled_mm_bias_gelu``;
 this tool keeps its own descriptor code to try the variants the library does not offer (C aliased to D or a
 separate buffer, no fast accumulation, and with ``--bwd`` the DGELU_BGRAD backward, which cuBLAS 13 refused with an
 FP8 output and ran slower than the kernels with a bf16 one: docs/benchmarks.md).
@@ -34,7 +34,7 @@ import torch
 from fp8engine.bench.common import print_table, time_back_to_back
 from fp8engine.kernels import activation as ka
 from fp8engine.kernels.cast import transpose_fp8
-from fp8engine.ops import cublaslt as lt
+from fp8engine.kernels import cublaslt as lt
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--tokens", type=int, default=8192)

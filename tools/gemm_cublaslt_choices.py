@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from fp8engine.bench.common import host_us_per_call, print_table, time_fn
-from fp8engine.ops import cublaslt
+from fp8engine.kernels import cublaslt
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--tokens", type=int, default=8192)

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-__all__ = ["is_fp8_available", "check_fp8_support"]
+__all__ = ["is_fp8_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,9 +49,3 @@ def is_fp8_available(device=None) -> tuple[bool, str]:
         return False, f"compute capability 8.9 needs CUDA 12.1 or newer for FP8; this torch has CUDA {cuda}."
     return False, "Device compute capability 8.9 or higher required for FP8 execution."
 
-
-def check_fp8_support(device) -> None:
-    """Raise ``ValueError`` with the reason when FP8 cannot run on ``device``."""
-    ok, reason = is_fp8_available(device)
-    if not ok:
-        raise ValueError(f"FP8 is not available on {device}: {reason}")

@@ -9,6 +9,8 @@ costs no Python ``__torch_dispatch__`` overhead in eager mode and is a simple ob
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Optional
 
@@ -16,7 +18,7 @@ import torch
 
 from fp8engine.fp8.dtypes import FP8_DTYPES, HIGH_PRECISION_DTYPES, fp8_max_of
 
-__all__ = ["Float8Tensor", "quantize", "quantize_current", "current_scale", "use_kernels"]
+__all__ = ["Float8Tensor", "quantize", "quantize_current", "current_scale", "use_kernels", "kernels_forced"]
 
 
 class Float8Tensor:
@@ -89,11 +91,29 @@ def _kernels_on(device: torch.device) -> bool:
     return kernels_available(device)
 
 
+#: Set by :func:`kernels_forced` (tests): run the Triton kernels on CPU tensors too (under TRITON_INTERPRET=1).
+_FORCE_KERNELS: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8engine_force_kernels", default=False)
+
+
 def use_kernels(x: torch.Tensor) -> bool:
-    """The one dispatch predicate of the FP8 paths: True for a CUDA tensor when the Triton kernels can run there
-    (``kernels_available``, cached per device, so the hot path pays a dict look-up). CPU tensors take the torch
-    path; tests swap the ops' reference to this function to run the kernels under ``TRITON_INTERPRET=1``."""
-    return x.is_cuda and _kernels_on(x.device)
+    """The one backend predicate of the package: True when an op on ``x`` runs the Triton kernels (and cuBLASLt
+    where it applies), False when it runs the plain-PyTorch reference. True for a CUDA tensor whose device can run
+    the kernels (``kernels_available``, cached per device: the hot path pays a dict look-up), and for any tensor
+    inside :func:`kernels_forced`. Every dispatch point in ``fp8``, ``ops`` and ``parallel`` calls this function."""
+    if x.is_cuda:
+        return _kernels_on(x.device)
+    return _FORCE_KERNELS.get()
+
+
+@contextlib.contextmanager
+def kernels_forced(on: bool = True):
+    """Within the block, :func:`use_kernels` is True for CPU tensors too (``on=False`` restores the default inside
+    an outer forced block). Tests use it to run the kernel code paths on CPU under ``TRITON_INTERPRET=1``."""
+    token = _FORCE_KERNELS.set(bool(on))
+    try:
+        yield
+    finally:
+        _FORCE_KERNELS.reset(token)
 
 
 def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, *,
@@ -119,10 +139,19 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, *,
 
         data, data_t, scale_inv = cast_to_fp8(x.contiguous(), scale, fp8_dtype, amax_out, transpose=transpose)
         return Float8Tensor(data, scale_inv, x.dtype, data_t)
-    if amax_out is not None:
-        torch.maximum(amax_out, x.detach().abs().amax().float().reshape(amax_out.shape), out=amax_out)
+    return quantize_torch(x, fp8_dtype, scale, amax_out, transpose)
+
+
+def quantize_torch(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor,
+                   amax_out: Optional[torch.Tensor] = None, transpose: bool = False) -> Float8Tensor:
+    """The plain-PyTorch path of :func:`quantize` (no checks, no dispatch; ``scale`` a ``[1]`` float32 tensor):
+    the reference the cast kernels are tested against and the CPU backend."""
+    x = x.detach()
+    if amax_out is not None:  # the 0-dim amax in x.dtype is promoted (exactly) to float32 by maximum
+        torch.maximum(amax_out, x.abs().amax(), out=amax_out)
     fp8_max = fp8_max_of(fp8_dtype)
-    data = (x.detach().float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    # x (bf16/fp16/fp32) times the [1] float32 scale computes in float32: the same product as x.float() * scale
+    data = torch.mul(x, scale).clamp_(-fp8_max, fp8_max).to(fp8_dtype)
     out = Float8Tensor(data, scale.reciprocal(), x.dtype)
     if transpose:
         out.transpose_2d()
@@ -130,11 +159,12 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, *,
 
 
 def current_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Current-scaling scale ``fp8_max / amax`` as a 1-element float32 tensor (1.0 where amax is 0 or not finite)."""
+    """Current-scaling scale ``fp8_max / amax`` as a 1-element float32 tensor (1.0 where amax is 0 or not finite),
+    rounded as torch rounds ``fp8_max / amax``: the reciprocal of the amax times fp8_max (the cast kernels'
+    ``scale_from_amax`` path computes the same on the device)."""
     amax = amax.float().reshape(1)
-    ok = torch.isfinite(amax) & (amax > 0)
-    return torch.where(ok, fp8_max_of(fp8_dtype) / torch.where(ok, amax, torch.ones_like(amax)),
-                       torch.ones_like(amax))
+    ok = (amax > 0) & (amax < float("inf"))
+    return torch.where(ok, torch.reciprocal(torch.where(ok, amax, 1.0)) * fp8_max_of(fp8_dtype), 1.0)
 
 
 def quantize_current(x: torch.Tensor, fp8_dtype: torch.dtype, *, transpose: bool = False,

@@ -35,6 +35,8 @@ class ScalingState(nn.Module):
         self.register_buffer("scale", torch.ones(n, dtype=torch.float32, device=device))
         self.register_buffer("update_step", torch.zeros((), dtype=torch.int64, device=device))
         self._fp8_max_cache: dict = {}
+        #: (recipe, record_amax) -> (scale, amax_history, LinearQuantizers per GEMM); see fp8.quantizer
+        self._quantizers: dict = {}
 
     def index(self, role: str) -> int:
         return self.roles.index(role)
@@ -94,17 +96,17 @@ def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, am
     if not states:
         return
     if recipe.reduce_amax and amax_group is not None:
-        from fp8engine.parallel.amax import all_reduce_current_amax
+        from fp8engine.fp8.amax import all_reduce_current_amax
 
         all_reduce_current_amax([st.amax_history for st in states], amax_group)
     first = states[0].amax_history
     same_len = all(st.amax_history.shape[1] == first.shape[1] for st in states)
     # The fused kernel takes one update flag for all states, so it serves interval == 1 (every update
     # recomputes scales); other intervals use the per-state torch path.
-    if first.is_cuda and same_len and recipe.interval == 1 and not callable(recipe.amax_compute_algo):
-        from fp8engine.kernels import kernels_available
+    if same_len and recipe.interval == 1 and not callable(recipe.amax_compute_algo):
+        from fp8engine.fp8.float8_tensor import use_kernels
 
-        if kernels_available(first.device):
+        if use_kernels(first):
             from fp8engine.kernels.scaling import delayed_scaling_update
 
             delayed_scaling_update([st.amax_history for st in states], [st.scale for st in states],

@@ -172,6 +172,14 @@ def scale_inv_reference(scale: torch.Tensor) -> torch.Tensor:
     return torch.reciprocal(scale.detach().float().reshape(1))
 
 
+def scale_from_amax_reference(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """Current scaling's scale from an amax ``[1]`` fp32: ``reciprocal(amax) * fp8_max``, 1.0 where the amax is 0,
+    negative or not finite (the rule of ``fp8engine.fp8.float8_tensor.current_scale``, same rounding)."""
+    amax = amax.detach().float().reshape(1)
+    ok = (amax > 0) & (amax < float("inf"))
+    return torch.where(ok, torch.reciprocal(torch.where(ok, amax, 1.0)) * fp8_max, 1.0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Triton device functions
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,6 +313,14 @@ def _store_tile(
 @triton.jit
 def _write_scale_inv(scale, scale_inv_ptr):  # scale_inv_ptr: [1] fp32, written with an IEEE division
     tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+
+
+@triton.jit
+def _scale_from_amax(amax, FP8_MAX: tl.constexpr):
+    """Current scaling's scale from an fp32 amax, as :func:`scale_from_amax_reference`: the IEEE reciprocal of the
+    amax times FP8_MAX (torch's ``fp8_max / amax`` rounds the same way), 1.0 where the amax is 0 or not finite."""
+    ok = (amax > 0) & (amax < float("inf"))
+    return tl.where(ok, tl.math.div_rn(1.0, tl.where(ok, amax, 1.0)) * FP8_MAX, 1.0)
 
 
 @triton.jit

@@ -23,6 +23,7 @@ from ._common import (
     _abs_max,
     _abs_max_flat,
     _quantize,
+    _scale_from_amax,
     _store_tile,
     _write_scale_inv,
     amax_reference,
@@ -35,6 +36,7 @@ from ._common import (
     fp8_format,
     new_scale_inv,
     quantize_reference,
+    scale_from_amax_reference,
     scale_inv_reference,
     sum_partials,
     tl,
@@ -76,7 +78,7 @@ def _hw_cvt_ok(x2: torch.Tensor) -> bool:
 def _cast_kernel(
     x_ptr,  # [n] input, high precision, contiguous
     out_ptr,  # [n] FP8 bits as uint8 (unused if not WRITE_OUT)
-    scale_ptr,  # [1] fp32 scale (unused if not WRITE_OUT)
+    scale_ptr,  # [1] fp32 scale, or the amax to derive it from if SCALE_FROM_AMAX (unused if not WRITE_OUT)
     scale_inv_ptr,  # [1] fp32, receives 1 / scale (program 0)
     amax_ptr,  # [1] fp32, receives atomic_max of max|x| (only if HAS_AMAX)
     n,
@@ -86,6 +88,7 @@ def _cast_kernel(
     WRITE_OUT: tl.constexpr,
     HAS_AMAX: tl.constexpr,
     BLOCK: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -95,6 +98,8 @@ def _cast_kernel(
         tl.atomic_max(amax_ptr, _abs_max_flat(x, mask))  # NaN counts as +inf
     if WRITE_OUT:
         scale = tl.load(scale_ptr)
+        if SCALE_FROM_AMAX:
+            scale = _scale_from_amax(scale, FP8_MAX)
         tl.store(out_ptr + offs, _quantize(x, scale, FP8_MAX, IS_E4M3, CVT), mask=mask)
         if pid == 0:
             _write_scale_inv(scale, scale_inv_ptr)
@@ -105,7 +110,7 @@ def _cast_transpose_kernel(
     x_ptr,  # [M, N] input, high precision, row-major
     out_ptr,  # [M, N] FP8 bits (uint8)
     out_t_ptr,  # [N, M] FP8 bits (uint8) of the transpose
-    scale_ptr,  # [1] fp32 scale
+    scale_ptr,  # [1] fp32 scale, or the amax to derive it from if SCALE_FROM_AMAX
     scale_inv_ptr,  # [1] fp32, receives 1 / scale (program (0, 0))
     amax_ptr,  # [1] fp32, atomic_max of max|x| (only if HAS_AMAX)
     dbias_part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 column sums of each row tile (only if HAS_DBIAS)
@@ -118,6 +123,7 @@ def _cast_transpose_kernel(
     HAS_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -126,6 +132,8 @@ def _cast_transpose_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr)
+    if SCALE_FROM_AMAX:
+        scale = _scale_from_amax(scale, FP8_MAX)
     _store_tile(x, offs_m, offs_n, M, N, N, out_ptr, out_t_ptr, scale, FP8_MAX, IS_E4M3, CVT, True, True)
     if HAS_AMAX:
         tl.atomic_max(amax_ptr, _abs_max(x, mask))
@@ -195,7 +203,8 @@ def _check_cast_args(x, scale, fp8_dtype, amax_out, op):
     return fp8_format(fp8_dtype, op)
 
 
-def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbias_dtype, data, op):
+def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbias_dtype, data, op,
+                           scale_from_amax=False):
     m, n = x2.shape
     data_t = torch.empty((n, m), dtype=fp8_dtype, device=x2.device)
     scale_inv = new_scale_inv(x2.device)
@@ -206,6 +215,7 @@ def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbi
         amax_out if amax_out is not None else scale_inv, parts if parts is not None else scale_inv, m, n,
         FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=not _hw_cvt_ok(x2)),
         HAS_AMAX=amax_out is not None, HAS_DBIAS=parts is not None, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
+        SCALE_FROM_AMAX=scale_from_amax,
     )  # fmt: skip
     dbias = sum_partials(parts[: triton.cdiv(m, TILE_M)], dbias_dtype) if parts is not None else None
     return data_t, scale_inv, dbias
@@ -218,6 +228,7 @@ def cast_to_fp8(
     amax_out: torch.Tensor | None = None,
     *,
     transpose: bool = False,
+    scale_from_amax: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Cast ``x`` to FP8 in one pass, optionally also writing the transposed copy and updating an amax.
 
@@ -227,6 +238,10 @@ def cast_to_fp8(
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
         amax_out: optional [1] fp32; receives ``max(amax_out, max|x|)`` (atomic; NaN in x -> +inf).
         transpose: also write ``data_t`` = the [N, M] transpose (tiled cast-transpose kernel).
+        scale_from_amax: ``scale`` holds an amax (current scaling, e.g. from :func:`compute_amax`); the kernel
+            derives the scale from it on the device: ``fp8_max / amax`` (IEEE reciprocal times fp8_max), 1.0 where
+            the amax is 0 or not finite (:func:`scale_from_amax_reference`). Saves the launches of computing the
+            scale with torch ops between the amax pass and the cast.
 
     Returns:
         ``(data, data_t, scale_inv)``: data has x's shape and dtype fp8_dtype; data_t is [N, M] or None;
@@ -240,7 +255,7 @@ def cast_to_fp8(
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     if transpose:
         data_t, scale_inv, _ = _launch_cast_transpose(
-            as_2d(x), scale, fp8_dtype, amax_out, fp8_max, is_e4m3, None, data, "cast_to_fp8"
+            as_2d(x), scale, fp8_dtype, amax_out, fp8_max, is_e4m3, None, data, "cast_to_fp8", scale_from_amax
         )
         return data, data_t, scale_inv
     scale_inv = new_scale_inv(x.device)
@@ -248,7 +263,7 @@ def cast_to_fp8(
     _cast_kernel[(max(1, triton.cdiv(n, CAST_BLOCK)),)](
         x, data.view(torch.uint8), scale, scale_inv, amax_out if amax_out is not None else scale_inv, n,
         FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(), WRITE_OUT=True,
-        HAS_AMAX=amax_out is not None, BLOCK=CAST_BLOCK,
+        HAS_AMAX=amax_out is not None, BLOCK=CAST_BLOCK, SCALE_FROM_AMAX=scale_from_amax,
     )  # fmt: skip
     return data, None, scale_inv
 
@@ -258,10 +273,12 @@ def cast_transpose_dbias(
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
     amax_out: torch.Tensor | None = None,
+    *,
+    scale_from_amax: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast-transpose a gradient to FP8 and fuse the bias gradient (column sums).
 
-    Args: as ``cast_to_fp8`` (grad is [..., N]).
+    Args: as ``cast_to_fp8`` (grad is [..., N]; ``scale_from_amax`` too).
     Returns:
         ``(data, data_t, scale_inv, dbias)``: data like grad in fp8_dtype, data_t [N, M], scale_inv new [1] fp32,
         dbias [N] in grad.dtype = column sums of grad accumulated in fp32 (per 64-row tile, then a second
@@ -270,7 +287,8 @@ def cast_transpose_dbias(
     fp8_max, is_e4m3 = _check_cast_args(grad, scale, fp8_dtype, amax_out, "cast_transpose_dbias")
     data = torch.empty(grad.shape, dtype=fp8_dtype, device=grad.device)
     data_t, scale_inv, dbias = _launch_cast_transpose(
-        as_2d(grad), scale, fp8_dtype, amax_out, fp8_max, is_e4m3, grad.dtype, data, "cast_transpose_dbias"
+        as_2d(grad), scale, fp8_dtype, amax_out, fp8_max, is_e4m3, grad.dtype, data, "cast_transpose_dbias",
+        scale_from_amax,
     )
     return data, data_t, scale_inv, dbias
 
@@ -292,18 +310,21 @@ def compute_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # References (plain PyTorch, no Triton)
 # ----------------------------------------------------------------------------------------------------------------
-def cast_to_fp8_reference(x, scale, fp8_dtype, amax_out=None, *, transpose=False):
+def cast_to_fp8_reference(x, scale, fp8_dtype, amax_out=None, *, transpose=False, scale_from_amax=False):
     """Plain-PyTorch ``cast_to_fp8``: same outputs, same in-place amax update."""
-    fp8_format(fp8_dtype, "cast_to_fp8_reference")
+    fp8_max, _ = fp8_format(fp8_dtype, "cast_to_fp8_reference")
+    if scale_from_amax:
+        scale = scale_from_amax_reference(scale, fp8_max)
     data = quantize_reference(x, scale, fp8_dtype)
     atomic_max_reference(amax_out, amax_reference(x))
     data_t = as_2d(data.view(torch.uint8)).t().contiguous().view(fp8_dtype) if transpose else None
     return data, data_t, scale_inv_reference(scale)
 
 
-def cast_transpose_dbias_reference(grad, scale, fp8_dtype, amax_out=None):
+def cast_transpose_dbias_reference(grad, scale, fp8_dtype, amax_out=None, *, scale_from_amax=False):
     """Plain-PyTorch ``cast_transpose_dbias``."""
-    data, data_t, scale_inv = cast_to_fp8_reference(grad, scale, fp8_dtype, amax_out, transpose=True)
+    data, data_t, scale_inv = cast_to_fp8_reference(grad, scale, fp8_dtype, amax_out, transpose=True,
+                                                    scale_from_amax=scale_from_amax)
     dbias = as_2d(grad).float().sum(0).to(grad.dtype)
     return data, data_t, scale_inv, dbias
 

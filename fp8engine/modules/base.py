@@ -8,8 +8,8 @@ from torch import nn
 
 from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer, get_quantizers
 from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.cast import FP8Plan, begin_fp8, cast_operand
 from fp8engine.ops.gemm import check_gemm_dims
 
 __all__ = ["FP8Module", "FP8WeightCache"]
@@ -25,15 +25,15 @@ class FP8WeightCache:
     def __init__(self):
         self._cache: dict[str, Float8Tensor] = {}
 
-    def get(self, name: str, weight: torch.Tensor, state: ScalingState, row: int, plan: FP8Plan,
-            is_first_microbatch: Optional[bool], transpose: bool) -> Float8Tensor:
+    def get(self, name: str, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
+            transpose: bool) -> Float8Tensor:
         if is_first_microbatch is False:
             cached = self._cache.get(name)
             if cached is None:
                 raise ValueError(f"is_first_microbatch=False but no FP8 copy of {name!r} is cached; pass "
                                  "is_first_microbatch=True on the first micro-batch of the step")
             return cached
-        w_fp8 = cast_operand(weight, state, row, plan, transpose=transpose)
+        w_fp8 = quantizer.quantize(weight, transpose=transpose)
         if is_first_microbatch:
             self._cache[name] = w_fp8
         else:
@@ -47,7 +47,9 @@ class FP8WeightCache:
 class FP8Module(nn.Module):
     """Base of modules with FP8 GEMMs: owns ``fp8_state`` (a :class:`ScalingState`) and the weight cache.
 
-    Subclasses call :meth:`fp8_begin` at the top of ``forward``; it returns None outside FP8 regions.
+    Subclasses call :meth:`fp8_begin` at the top of ``forward``; it returns None outside FP8 regions, else one
+    :class:`LinearQuantizers` per GEMM (``roles`` holds ``input, weight, grad_output`` per GEMM, in the order of
+    ``gemm_dims``).
     """
 
     def __init__(self, roles: Sequence[str], gemm_dims: Sequence[tuple[int, int]], device=None):
@@ -57,7 +59,7 @@ class FP8Module(nn.Module):
         self._fp8_dims_checked = False
         self._weight_cache = FP8WeightCache()
 
-    def fp8_begin(self) -> Optional[FP8Plan]:
+    def fp8_begin(self) -> Optional[tuple[LinearQuantizers, ...]]:
         ctx = get_fp8_context()
         if ctx is None:
             return None
@@ -65,10 +67,11 @@ class FP8Module(nn.Module):
             for k, n in self._gemm_dims:
                 check_gemm_dims(k, n, type(self).__name__)
             self._fp8_dims_checked = True
-        return begin_fp8(self.fp8_state, ctx)
+        return get_quantizers(self.fp8_state, ctx)
 
-    def fp8_weight(self, name: str, weight: torch.Tensor, role: str, plan: FP8Plan,
+    def fp8_weight(self, name: str, weight: torch.Tensor, quantizer: Quantizer,
                    is_first_microbatch: Optional[bool]) -> Float8Tensor:
+        """``weight`` cast by ``quantizer`` (a GEMM's weight role), through the weight cache (``name`` its key)."""
         # dgrad needs W^T whenever a backward may run (the input may require grad even if W does not).
-        return self._weight_cache.get(name, weight, self.fp8_state, self.fp8_state.index(role), plan,
-                                      is_first_microbatch, transpose=torch.is_grad_enabled())
+        return self._weight_cache.get(name, weight, quantizer, is_first_microbatch,
+                                      transpose=torch.is_grad_enabled())

@@ -102,20 +102,20 @@ def no_init(_weight: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # The input norm and the outputs shared by LayerNormLinear and LayerNormMLP.
 # ---------------------------------------------------------------------------------------------------------------
-def input_norm(module, x: torch.Tensor, plan, row: int, residual: Optional[torch.Tensor]):
+def input_norm(module, x: torch.Tensor, quantizer, residual: Optional[torch.Tensor]):
     """The input norm of a LayerNorm + GEMM module (``LayerNormLinear``, ``LayerNormMLP``): ``(ln, ln_fp8, s)``.
 
-    Under FP8 (``plan``) and without sequence parallelism the norm kernel also writes the FP8 copy for ``module``'s
-    ``fp8_state`` row ``row`` (``ln`` is then only a gradient carrier unless ``return_layernorm_output``);
+    Under FP8 (``quantizer``: the first GEMM's input role) and without sequence parallelism the norm kernel also
+    writes the FP8 copy (``ln`` is then only a gradient carrier unless ``return_layernorm_output``);
     otherwise ``ln_fp8`` is None (sequence parallel: the cast comes after the all-gather). ``s`` is the normalised
     tensor, ``x`` or ``x + residual`` (see :func:`fp8engine.ops.norm_linear.norm`)."""
     common = dict(rms=module._rms, zero_centered_gamma=module.zero_centered_gamma, residual=residual,
                   return_input=True)
-    if plan is None or module.sequence_parallel:
+    if quantizer is None or module.sequence_parallel:
         ln, s = norm(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, **common)
         return ln, None, s
-    return norm_cast(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, state=module.fp8_state,
-                     row=row, plan=plan, transpose=torch.is_grad_enabled(),
+    return norm_cast(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, quantizer=quantizer,
+                     transpose=torch.is_grad_enabled(),
                      return_hp=module.return_layernorm_output, **common)
 
 
@@ -231,15 +231,16 @@ class LayerNormLinear(FP8Module):
         Residual connection (TransformerLayer uses both): ``residual`` (like ``x``) normalises ``x + residual``,
         the add done by the norm kernel; ``return_norm_input`` appends the normalised tensor (``x`` or
         ``x + residual``) to the outputs, and a gradient flowing into it is added inside the norm's backward."""
-        plan = self.fp8_begin()
+        quantizers = self.fp8_begin()
+        q = None if quantizers is None else quantizers[0]
         weight, bias = self._weight_bias()
         if self.normalization is None:
             ln = s = x if residual is None else x + residual
             ln_fp8 = None
         else:
-            ln, ln_fp8, s = input_norm(self, x, plan, 0, residual)
+            ln, ln_fp8, s = input_norm(self, x, None if q is None else q.input, residual)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
-        if plan is None:
+        if q is None:
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
                 out = linear_main_grad(total, weight, bias)
             else:
@@ -247,12 +248,12 @@ class LayerNormLinear(FP8Module):
             if qkv_split is not None:
                 out = split_grouped_qkv(out, *qkv_split)
         else:
-            w_fp8 = self.fp8_weight("weight", weight, "weight", plan, is_first_microbatch)
+            w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
             if qkv_split is not None:
-                out = fp8_linear_qkv(total, weight, bias, self.fp8_state, plan, qkv_split, w_fp8=w_fp8,
-                                     x_fp8=ln_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
+                out = fp8_linear_qkv(total, weight, bias, q, qkv_split, w_fp8=w_fp8, x_fp8=ln_fp8,
+                                     fuse_wgrad=self.fuse_wgrad_accumulation)
             else:
-                out = fp8_linear(total, weight, bias, self.fp8_state, plan, w_fp8=w_fp8, x_fp8=ln_fp8,
+                out = fp8_linear(total, weight, bias, q, w_fp8=w_fp8, x_fp8=ln_fp8,
                                  fuse_wgrad=self.fuse_wgrad_accumulation)
         return norm_module_outputs(self, out, ln, s, return_norm_input)
 

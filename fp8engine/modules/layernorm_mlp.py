@@ -17,7 +17,6 @@ from fp8engine.ops.norm_linear import NORMALIZATIONS
 
 __all__ = ["LayerNormMLP"]
 
-_FC1_ROWS, _FC2_ROWS = (0, 1, 2), (3, 4, 5)
 
 
 class LayerNormMLP(FP8Module):
@@ -41,24 +40,22 @@ class LayerNormMLP(FP8Module):
         tp_group, set_parallel_mode: with both, fc1 is column-parallel (local ``[F/tp (x2 for swiglu), h]``, each
             rank keeps matching gate/up halves) and fc2 row-parallel (local ``[h, F/tp]``, bias added after the
             reduction). sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
+        fused: FP8 path: fc1 -> activation -> fc2 as one autograd node (:func:`fp8engine.ops.mlp.fp8_mlp`).
+            False runs the equivalent three-node composition (tests compare the two).
+        gelu_epilogue: GELU on a GPU: fc1's GEMM applies it in cuBLASLt's epilogue and writes fc2's FP8 input
+            itself (:func:`fp8engine.ops.mlp.fc1_fprop_act`). False: the GEMM, then the Triton activation kernel
+            (benchmarks compare the two).
     Raises:
         ValueError: unknown activation/normalization, or the tp size does not divide ``F``.
     """
-
-    #: FP8 path: fc1 -> activation -> fc2 as one autograd node (:func:`fp8engine.ops.mlp.fp8_mlp`). False runs
-    #: the equivalent three-node composition (tests compare the two).
-    _fused = True
-    #: GELU on a GPU: fc1's GEMM applies it in cuBLASLt's epilogue and writes fc2's FP8 input itself
-    #: (:func:`fp8engine.ops.mlp.fc1_fprop_act`). False: the GEMM, then the Triton activation kernel (benchmarks
-    #: compare the two).
-    gelu_epilogue = True
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu",
                  normalization: str = "LayerNorm", bias: bool = True, eps: float = 1e-5,
                  return_layernorm_output: bool = False, zero_centered_gamma: bool = False, params_dtype=None,
                  device=None, init_method: Optional[Callable] = None,
                  output_layer_init_method: Optional[Callable] = None, fuse_wgrad_accumulation: bool = False,
-                 tp_group=None, sequence_parallel: bool = False, set_parallel_mode: bool = False):
+                 tp_group=None, sequence_parallel: bool = False, set_parallel_mode: bool = False,
+                 fused: bool = True, gelu_epilogue: bool = True):
         name = type(self).__name__
         check_choice("activation", activation, tuple(ACTIVATIONS), name)
         check_choice("normalization", normalization, NORMALIZATIONS, name)
@@ -70,6 +67,7 @@ class LayerNormMLP(FP8Module):
         self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.fused, self.gelu_epilogue = fused, gelu_epilogue
         self.tp_group = tp_group if tp_size > 1 else None
         self.sequence_parallel = sequence_parallel and self.tp_group is not None
         self._rms = normalization == "RMSNorm"
@@ -98,16 +96,16 @@ class LayerNormMLP(FP8Module):
         Residual connection (as :meth:`LayerNormLinear.forward`): ``residual`` normalises ``x + residual`` (added
         by the norm kernel); ``return_norm_input`` appends the normalised tensor to the outputs, and its gradient
         is added inside the norm's backward."""
-        plan = self.fp8_begin()
+        quantizers = self.fp8_begin()
         # Row-parallel fc2 adds its bias after the reduction; unsharded, the GEMM adds it.
         fc2_bias = self.fc2_bias if self.tp_group is None else None
-        if plan is None:
-            ln, _, s = input_norm(self, x, None, 0, residual)
+        if quantizers is None:
+            ln, _, s = input_norm(self, x, None, residual)
             h = self._hp_linear(enter_column_parallel(ln, self.tp_group, self.sequence_parallel), self.fc1_weight,
                                 self.fc1_bias)
             y = self._hp_linear(activation(h, self.activation), self.fc2_weight, fc2_bias)
         else:
-            y, ln, s = self._fp8_forward(x, plan, fc2_bias, is_first_microbatch, residual)
+            y, ln, s = self._fp8_forward(x, quantizers, fc2_bias, is_first_microbatch, residual)
         if self.tp_group is not None:
             y = exit_row_parallel(y, self.fc2_bias, self.tp_group, self.sequence_parallel)
         return norm_module_outputs(self, y, ln, s, return_norm_input)
@@ -117,16 +115,16 @@ class LayerNormMLP(FP8Module):
             return linear_main_grad(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def _fp8_forward(self, x, plan, fc2_bias, is_first_microbatch, residual):
-        st, fuse = self.fp8_state, self.fuse_wgrad_accumulation
-        ln, ln_fp8, s = input_norm(self, x, plan, _FC1_ROWS[0], residual)
+    def _fp8_forward(self, x, quantizers, fc2_bias, is_first_microbatch, residual):
+        fc1, fc2 = quantizers
+        fuse = self.fuse_wgrad_accumulation
+        ln, ln_fp8, s = input_norm(self, x, fc1.input, residual)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
-        w1 = self.fp8_weight("fc1_weight", self.fc1_weight, "fc1_weight", plan, is_first_microbatch)
-        w2 = self.fp8_weight("fc2_weight", self.fc2_weight, "fc2_weight", plan, is_first_microbatch)
-        mlp = fp8_mlp if self._fused else _unfused_fp8_mlp
-        y = mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation, st, plan,
-                w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=fuse, rows=_FC1_ROWS + _FC2_ROWS,
-                gelu_epilogue=self.gelu_epilogue)
+        w1 = self.fp8_weight("fc1_weight", self.fc1_weight, fc1.weight, is_first_microbatch)
+        w2 = self.fp8_weight("fc2_weight", self.fc2_weight, fc2.weight, is_first_microbatch)
+        mlp = fp8_mlp if self.fused else _unfused_fp8_mlp
+        y = mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation, fc1, fc2,
+                w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=fuse, gelu_epilogue=self.gelu_epilogue)
         return y, ln, s
 
     def extra_repr(self) -> str:

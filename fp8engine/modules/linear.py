@@ -59,14 +59,14 @@ class Linear(FP8Module):
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], is_first_microbatch: Optional[bool]):
         """The GEMM with a given bias (subclasses that add the bias after a reduction pass None)."""
-        plan = self.fp8_begin()
-        if plan is None:
+        quantizers = self.fp8_begin()
+        if quantizers is None:
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
                 return linear_main_grad(x, self.weight, bias)
             return F.linear(x, self.weight, bias)
-        w_fp8 = self.fp8_weight("weight", self.weight, "weight", plan, is_first_microbatch)
-        return fp8_linear(x, self.weight, bias, self.fp8_state, plan, w_fp8=w_fp8,
-                          fuse_wgrad=self.fuse_wgrad_accumulation)
+        q = quantizers[0]
+        w_fp8 = self.fp8_weight("weight", self.weight, q.weight, is_first_microbatch)
+        return fp8_linear(x, self.weight, bias, q, w_fp8=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

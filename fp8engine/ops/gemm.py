@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor
-from fp8engine.ops import cublaslt
+from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.kernels import cublaslt
 
 __all__ = ["fp8_gemm", "fp8_gemm_bias_gelu", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
 
@@ -82,7 +82,7 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
                       out: torch.Tensor, *, pad_inner: bool = False) -> None:
     """``out += (a * a_scale_inv) @ (b * b_scale_inv).T`` into a float32 ``out [M, N]`` (``fuse_wgrad_accumulation``).
 
-    On CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1, :mod:`fp8engine.ops.cublaslt`). On
+    On CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1, :mod:`fp8engine.kernels.cublaslt`). On
     CPU, or when ``out`` is not contiguous or an operand is not 16-byte aligned (cuBLASLt's FP8 kernels refuse a
     4-byte-aligned output: status 15), it is :func:`fp8_mm` into float32 plus ``out.add_``. Both add the same fp32
     GEMM result to ``out`` (bit-identical on H200 in ``tests/ops/test_gemm_accumulate.py``, up to the algorithm
@@ -93,7 +93,7 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
         raise TypeError(f"fp8_mm_accumulate accumulates into float32, got out of dtype {out.dtype}")
     if tuple(out.shape) != (a.shape[0], b.shape[0]):
         raise ValueError(f"fp8_mm_accumulate: out must be [M, N] = {(a.shape[0], b.shape[0])}, got {tuple(out.shape)}")
-    if out.is_cuda and out.is_contiguous() and cublaslt.available():
+    if use_kernels(out) and out.is_cuda and out.is_contiguous() and cublaslt.available():
         if pad_inner and a.shape[1] % _ALIGN:
             a, b = _pad_last(a, _ALIGN), _pad_last(b, _ALIGN)
         a, b = a.contiguous(), b.contiguous()
@@ -130,7 +130,8 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     1-element float32 (``amax_out`` None: amax not recorded).
     """
     a2, b2 = a.data.reshape(-1, a.data.shape[-1]), b.data.reshape(-1, b.data.shape[-1])
-    if not (a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16) and cublaslt.available()):
+    if not (use_kernels(a2) and a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16)
+            and cublaslt.available()):
         return None
     bias = bias.to(out_dtype)
     if a2.shape[1] % _ALIGN or b2.shape[0] % _ALIGN or not (a2.is_contiguous() and b2.is_contiguous()

@@ -4,7 +4,8 @@
 - dgrad: ``dx = dy @ w``     (E5M2 grad x E4M3 weight)
 - wgrad: ``dw = dy.T @ x``   (E5M2 grad x E4M3 input)
 
-Backward casts ``dy`` once with :func:`fp8engine.ops.cast.cast_grad` (on CUDA the ``cast_transpose_dbias`` kernel:
+Operands are cast by the GEMM's :class:`~fp8engine.fp8.quantizer.LinearQuantizers`. Backward casts ``dy`` once with
+``Quantizer.quantize_dbias`` (on CUDA the ``cast_transpose_dbias`` kernel:
 both FP8 layouts and the bias gradient in one pass) and runs the two GEMMs in :func:`dgrad_wgrad`, which the fused
 MLP op (``fp8engine.ops.mlp``) shares.
 """
@@ -16,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
-from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand
+from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.gemm import fp8_gemm, fp8_mm, fp8_mm_accumulate
 
 __all__ = ["fp8_linear", "LINEAR_ROLES", "main_grad_of", "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad",
@@ -25,7 +25,6 @@ __all__ = ["fp8_linear", "LINEAR_ROLES", "main_grad_of", "accumulate_wgrad", "li
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")
-_INPUT, _WEIGHT, _GRAD = 0, 1, 2
 
 
 def main_grad_of(weight: torch.Parameter) -> torch.Tensor:
@@ -74,30 +73,29 @@ def linear_main_grad(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, state: ScalingState,
-                plan: FP8Plan, fuse_wgrad: bool, grad_row: int = _GRAD):
+    def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, grad_quantizer: Quantizer,
+                fuse_wgrad: bool):
         y = fp8_gemm(x_fp8, w_fp8, x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
         ctx.save_for_backward(weight)
         # Backward needs only the transposed layouts (dgrad: W^T, wgrad: X^T); keep those, not the row-major bits.
         needs_dw = ctx.needs_input_grad[1] or fuse_wgrad
         ctx.x_t = (x_fp8.transpose_2d(), x_fp8.scale_inv) if needs_dw else None
         ctx.w_t = (w_fp8.transpose_2d(), w_fp8.scale_inv) if ctx.needs_input_grad[0] else None
-        ctx.state, ctx.plan, ctx.fuse_wgrad = state, plan, fuse_wgrad
-        ctx.x_shape, ctx.has_bias, ctx.grad_row = x.shape, bias is not None, grad_row
+        ctx.grad_quantizer, ctx.fuse_wgrad = grad_quantizer, fuse_wgrad
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         dy2d = dy.reshape(-1, dy.shape[-1])
         need_dw = ctx.needs_input_grad[1] or ctx.fuse_wgrad
-        dy_fp8, db = cast_grad(dy2d, ctx.state, ctx.grad_row, ctx.plan, transpose=need_dw,
-                               dbias=ctx.needs_input_grad[2])
+        dy_fp8, db = ctx.grad_quantizer.quantize_dbias(dy2d, transpose=need_dw, dbias=ctx.needs_input_grad[2])
         return linear_backward(ctx, dy_fp8, db)
 
 
 def linear_backward(ctx, dy_fp8: Float8Tensor, db: Optional[torch.Tensor]) -> tuple:
     """dgrad + wgrad of an ``_FP8Linear`` node given its output gradient already in FP8 (``dy_fp8 [M, N]``) and
-    its bias gradient ``db`` (or None); returns the node's input gradients ``(dx, dw, db, None x 6)``."""
+    its bias gradient ``db`` (or None); returns the node's input gradients ``(dx, dw, db, None x 4)``."""
     (weight,) = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.fuse_wgrad
     dx, dw = dgrad_wgrad(dy_fp8, ctx.w_t if need_dx else None, ctx.x_t if need_dw else None, weight,
@@ -107,7 +105,7 @@ def linear_backward(ctx, dy_fp8: Float8Tensor, db: Optional[torch.Tensor]) -> tu
         dx = dx.reshape(ctx.x_shape)
     if db is not None:
         db = db.to(weight.dtype)
-    return dx, dw, db, None, None, None, None, None, None
+    return dx, dw, db, None, None, None, None
 
 
 def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple], weight: torch.Tensor,
@@ -133,30 +131,22 @@ def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple]
     return dx, dw
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: ScalingState,
-               plan: FP8Plan, *, w_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
-               x_fp8: Optional[Float8Tensor] = None, rows: tuple[int, int, int] = (_INPUT, _WEIGHT, _GRAD)
-               ) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], quantizers: LinearQuantizers,
+               *, w_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
+               x_fp8: Optional[Float8Tensor] = None) -> torch.Tensor:
     """FP8 ``x @ weight.T + bias`` with gradients.
 
     Args:
         x: ``[*, K]`` high precision; output ``[*, N]`` in ``x.dtype``.
         weight: ``[N, K]``. bias: ``[N]`` or None. K and N multiples of 16.
-        state: the module's :class:`ScalingState` with rows ``LINEAR_ROLES``.
+        quantizers: the GEMM's :class:`LinearQuantizers` (``FP8Module.fp8_begin()``).
         w_fp8: an already cast weight (FP8 weight caching across micro-batches); cast now when None.
         x_fp8: an already cast input (e.g. written by a fused norm kernel); cast now when None.
         fuse_wgrad: accumulate wgrad into ``weight.main_grad`` (fp32); ``weight.grad`` stays None.
-        rows: the ``state`` rows of (input, weight, grad_output); a module with several GEMMs in one
-            :class:`ScalingState` (e.g. LayerNormMLP's fc1 and fc2) passes its own.
     """
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if x_fp8 is None:
-        x_fp8 = cast_operand(x.reshape(-1, x.shape[-1]), state, rows[0], plan, transpose=needs_grad)
+        x_fp8 = quantizers.input.quantize(x.reshape(-1, x.shape[-1]), transpose=needs_grad)
     if w_fp8 is None:
-        w_fp8 = cast_operand(weight, state, rows[1], plan, transpose=needs_grad)
-    return _FP8Linear.apply(x, weight, bias, x_fp8, w_fp8, state, plan, fuse_wgrad, rows[2])
-
-
-def cast_weight(weight: torch.Tensor, state: ScalingState, plan: FP8Plan, *, transpose: bool = True) -> Float8Tensor:
-    """Cast a weight ``[N, K]`` (row ``"weight"``), with its transpose for dgrad when ``transpose``."""
-    return cast_operand(weight, state, _WEIGHT, plan, transpose=transpose)
+        w_fp8 = quantizers.weight.quantize(weight, transpose=needs_grad)
+    return _FP8Linear.apply(x, weight, bias, x_fp8, w_fp8, quantizers.grad_output, fuse_wgrad)

@@ -9,7 +9,7 @@
   activation backward cast to FP8 (with fc1's dbias) -> fc1 dgrad ``dx = dh @ W1`` -> fc1 wgrad ``dW1 = dh.T @ x``.
 
 It keeps for backward only x^T and W1^T (FP8), the pre-activation ``h`` (high precision, for the activation
-backward), a^T and W2^T (FP8). The elementwise passes dispatch on :func:`fp8engine.ops.cast.use_kernels`: on CUDA
+backward), a^T and W2^T (FP8). The elementwise passes dispatch on :func:`fp8engine.fp8.float8_tensor.use_kernels`: on CUDA
 the Triton kernels of ``fp8engine.kernels.activation`` / ``.cast`` (activation forward writing FP8 directly,
 activation backward + cast-transpose + dbias in one pass, ``cast_transpose_dbias`` for ``dy``), elsewhere
 :func:`act_fwd` / :func:`act_bwd` and the torch casts -- on CPU exactly the ops of the unfused composition
@@ -30,9 +30,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor
-from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand, kernel_scale, use_kernels
+from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
 from fp8engine.ops.linear import dgrad_wgrad, fp8_linear
 
@@ -42,7 +41,8 @@ __all__ = ["ACTIVATIONS", "act_fwd", "act_bwd", "activation", "activation_cast",
 #: Names accepted by the ``activation`` argument of the modules; the value is fc1's output width per ffn unit.
 ACTIVATIONS = {"gelu": 1, "relu": 1, "swiglu": 2}
 
-#: Rows of LayerNormMLP's :class:`ScalingState`; fc1 uses rows 0-2, fc2 rows 3-5.
+#: Rows of LayerNormMLP's :class:`~fp8engine.fp8.state.ScalingState`: fc1's GEMM uses rows 0-2, fc2's rows 3-5
+#: (``FP8Module.fp8_begin()`` returns their two :class:`LinearQuantizers` in that order).
 MLP_ROLES = ("fc1_input", "fc1_weight", "fc1_grad_output", "fc2_input", "fc2_weight", "fc2_grad_output")
 
 
@@ -68,12 +68,11 @@ def act_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
 
 class _ActCast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, kind, fp8):
+    def forward(ctx, x, kind, quantizer, transpose):
         y = act_fwd(x, kind)
         y_fp8 = None
-        if fp8 is not None:
-            state, row, plan, transpose = fp8
-            y_fp8 = cast_operand(y.reshape(-1, y.shape[-1]), state, row, plan, transpose=transpose)
+        if quantizer is not None:
+            y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose)
         ctx.save_for_backward(x)
         ctx.kind = kind
         return y, y_fp8
@@ -81,19 +80,19 @@ class _ActCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _unused):
         (x,) = ctx.saved_tensors
-        return act_bwd(dy, x, ctx.kind), None, None
+        return act_bwd(dy, x, ctx.kind), None, None, None
 
 
 def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     """:func:`act_fwd` with gradients, saving only ``x``."""
-    return _ActCast.apply(x, kind, None)[0]
+    return _ActCast.apply(x, kind, None, False)[0]
 
 
-def activation_cast(x: torch.Tensor, kind: str, state: ScalingState, row: int, plan: FP8Plan,
+def activation_cast(x: torch.Tensor, kind: str, quantizer: Quantizer,
                     transpose: bool) -> tuple[torch.Tensor, Float8Tensor]:
-    """``(y, y_fp8)``: the activation and its FP8 copy ``[M, D']`` cast for ``state`` row ``row`` (with the
-    transpose for fc2's wgrad when ``transpose``)."""
-    return _ActCast.apply(x, kind, (state, row, plan, transpose))
+    """``(y, y_fp8)``: the activation and its FP8 copy ``[M, D']`` cast by ``quantizer`` (with the transpose for
+    fc2's wgrad when ``transpose``)."""
+    return _ActCast.apply(x, kind, quantizer, transpose)
 
 
 #: Triton launchers per activation: (forward, backward + cast-transpose + dbias); names in fp8engine.kernels.activation.
@@ -101,73 +100,69 @@ _KERNELS = {"gelu": ("gelu_fwd", "gelu_bwd_cast_transpose"), "relu": ("relu_fwd"
             "swiglu": ("swiglu_fwd", "swiglu_bwd_cast_transpose")}
 
 
-def act_fwd_cast(h: torch.Tensor, kind: str, state: ScalingState, row: int, plan: FP8Plan,
-                 transpose: bool) -> Float8Tensor:
-    """``act(h)`` for ``h [M, D]`` written only in FP8 (``[M, D']``, ``state`` row ``row``, forward format), with
+def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bool) -> Float8Tensor:
+    """``act(h)`` for ``h [M, D]`` written only in FP8 (``[M, D']``, by ``quantizer``: fc2's input role), with
     its transposed copy when ``transpose``; the high-precision activation is not returned.
 
-    Kernels, delayed scaling: the activation kernel writes FP8 directly (scale ``state.scale[row]``, amax into the
-    history); the transpose is then an FP8 byte copy, made by the first ``transpose_2d()`` call. Current scaling
+    Kernels, delayed scaling: the activation kernel writes FP8 directly (the quantizer's scale, amax into its
+    history slot); the transpose is then an FP8 byte copy, made by the first ``transpose_2d()`` call. Current scaling
     needs the amax first: the activation kernel writes high precision, then ``compute_amax`` + cast-transpose.
-    Torch: :func:`act_fwd` then :func:`cast_operand`.
+    Torch: :func:`act_fwd` then ``quantizer.quantize``.
     """
     if not use_kernels(h):
-        y = act_fwd(h, kind)
-        return cast_operand(y, state, row, plan, transpose=transpose)
+        return quantizer.quantize(act_fwd(h, kind), transpose=transpose)
     from fp8engine.kernels import activation as ka
 
     fwd = getattr(ka, _KERNELS[kind][0])
     h = h.contiguous()
-    if not plan.delayed:
-        return cast_operand(fwd(h, return_hp=True)[0], state, row, plan, transpose=transpose)
-    scale, amax_out = kernel_scale(h, state, row, plan, plan.fwd_dtype, grad=False)
-    _, y8, scale_inv = fwd(h, scale=scale, fp8_dtype=plan.fwd_dtype, amax_out=amax_out)
+    if not quantizer.delayed:
+        return quantizer.quantize(fwd(h, return_hp=True)[0], transpose=transpose)
+    _, y8, scale_inv = fwd(h, scale=quantizer.scale, fp8_dtype=quantizer.fp8_dtype, amax_out=quantizer.amax)
     # the byte transpose (when ``transpose``) is left to the consumer's first ``transpose_2d()`` call, which comes
     # after its fprop GEMM was issued: the GEMM does not wait behind the transpose's launch on the host
     return Float8Tensor(y8, scale_inv, h.dtype)
 
 
-def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, state: ScalingState, row: int, plan: FP8Plan, *,
+def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quantizer, *,
                  transpose: bool, dbias: bool) -> tuple[Float8Tensor, Optional[torch.Tensor]]:
-    """Gradient ``dh = da * act'(h)`` (``da [M, D']``, ``h [M, D]``, same dtype) cast to FP8 for ``state`` row
-    ``row`` (backward format, amax recorded under delayed scaling), with its transpose when ``transpose`` and its
+    """Gradient ``dh = da * act'(h)`` (``da [M, D']``, ``h [M, D]``, same dtype) cast to FP8 by ``quantizer``
+    (fc1's grad_output role: backward format, amax recorded under delayed scaling), with its transpose when ``transpose`` and its
     column sums when ``dbias``: ``(dh_fp8, dbias [D] in da.dtype or None)``.
 
     Kernels, delayed scaling: one ``*_bwd_cast_transpose`` pass (both FP8 layouts, fp32-accumulated dbias).
     Current scaling: its high-precision variant (dh and dbias), then ``compute_amax`` + cast-transpose.
-    Torch: :func:`act_bwd` then :func:`cast_grad`.
+    Torch: :func:`act_bwd` then ``quantizer.quantize_dbias``.
     """
     if not use_kernels(h):
-        return cast_grad(act_bwd(da, h, kind), state, row, plan, transpose=transpose, dbias=dbias)
+        return quantizer.quantize_dbias(act_bwd(da, h, kind), transpose=transpose, dbias=dbias)
     from fp8engine.kernels import activation as ka
 
     bwd = getattr(ka, _KERNELS[kind][1])
     da, h = da.contiguous(), h.contiguous()
-    if not plan.delayed:
+    if not quantizer.delayed:
         dh, _, _, db = bwd(da, h, None, None)
-        return cast_operand(dh, state, row, plan, grad=True, transpose=transpose), (db if dbias else None)
-    scale, amax_out = kernel_scale(h, state, row, plan, plan.bwd_dtype, grad=True)
-    dh8, dh8_t, scale_inv, db = bwd(da, h, scale, plan.bwd_dtype, amax_out)
+        return quantizer.quantize(dh, transpose=transpose), (db if dbias else None)
+    dh8, dh8_t, scale_inv, db = bwd(da, h, quantizer.scale, quantizer.fp8_dtype, quantizer.amax)
     return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t), (db if dbias else None)
 
 
 def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.Tensor], out_dtype: torch.dtype,
-                  kind: str, state: ScalingState, row: int, plan: FP8Plan, *, transpose: bool,
+                  kind: str, quantizer: Quantizer, *, transpose: bool,
                   gelu_epilogue: bool = True) -> tuple[torch.Tensor, Float8Tensor]:
     """fc1 fprop ``h = x @ W1.T + b1`` (``[M, D]`` in ``out_dtype``) and the activation written in FP8 for fc2
-    (``state`` row ``row``; its transpose when ``transpose``): ``(h, a_fp8)``.
+    (by ``quantizer``, fc2's input role; its transpose when ``transpose``): ``(h, a_fp8)``.
 
     With ``gelu_epilogue``, GELU, a bias, delayed scaling and a GPU whose cuBLASLt has the kernel, one GEMM with
     the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise :func:`fp8_gemm`
     then :func:`act_fwd_cast`.
     """
-    if gelu_epilogue and kind == "gelu" and b1 is not None and plan.delayed and use_kernels(x_fp8.data):
-        scale, amax_out = kernel_scale(x_fp8.data, state, row, plan, plan.fwd_dtype, grad=False)
-        fused = fp8_gemm_bias_gelu(x_fp8, w1_fp8, b1, out_dtype, scale, plan.fwd_dtype, amax_out)
+    if gelu_epilogue and kind == "gelu" and b1 is not None and quantizer.delayed and use_kernels(x_fp8.data):
+        fused = fp8_gemm_bias_gelu(x_fp8, w1_fp8, b1, out_dtype, quantizer.scale, quantizer.fp8_dtype,
+                                   quantizer.amax)
         if fused is not None:
             return fused  # a^T is made by the consumer's first transpose_2d() call, as in act_fwd_cast
     h = fp8_gemm(x_fp8, w1_fp8, out_dtype, bias=None if b1 is None else b1.to(out_dtype), use_fast_accum=True)
-    return h, act_fwd_cast(h, kind, state, row, plan, transpose=transpose)
+    return h, act_fwd_cast(h, kind, quantizer, transpose=transpose)
 
 
 class _FP8MLP(torch.autograd.Function):
@@ -175,13 +170,13 @@ class _FP8MLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, x_fp8: Float8Tensor, w1_fp8: Float8Tensor, w2_fp8: Float8Tensor,
-                state: ScalingState, plan: FP8Plan, kind: str, rows: tuple, fuse_wgrad: bool, gelu_epilogue: bool):
+                fc1: LinearQuantizers, fc2: LinearQuantizers, kind: str, fuse_wgrad: bool, gelu_epilogue: bool):
         need_x, need_w1, need_b1, need_w2 = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                                              ctx.needs_input_grad[2], ctx.needs_input_grad[3])
         need_dw1, need_dw2 = need_w1 or fuse_wgrad, need_w2 or fuse_wgrad
         need_dh = need_x or need_dw1 or need_b1  # anything upstream of the activation
         # fc1 fprop h = x @ W1.T + b1 and the activation, written in FP8 for fc2 (with a^T for fc2's wgrad)
-        h, a_fp8 = fc1_fprop_act(x_fp8, w1_fp8, b1, x.dtype, kind, state, rows[3], plan, transpose=need_dw2,
+        h, a_fp8 = fc1_fprop_act(x_fp8, w1_fp8, b1, x.dtype, kind, fc2.input, transpose=need_dw2,
                                  gelu_epilogue=gelu_epilogue)
         # fc2 fprop: y = a @ W2.T + b2
         y = fp8_gemm(a_fp8, w2_fp8, x.dtype, bias=None if b2 is None else b2.to(x.dtype), use_fast_accum=True)
@@ -190,7 +185,7 @@ class _FP8MLP(torch.autograd.Function):
         ctx.w1_t = (w1_fp8.transpose_2d(), w1_fp8.scale_inv) if need_x else None
         ctx.a_t = (a_fp8.transpose_2d(), a_fp8.scale_inv) if need_dw2 else None
         ctx.w2_t = (w2_fp8.transpose_2d(), w2_fp8.scale_inv) if need_dh else None
-        ctx.state, ctx.plan, ctx.kind, ctx.rows, ctx.fuse_wgrad = state, plan, kind, rows, fuse_wgrad
+        ctx.grad_q1, ctx.grad_q2, ctx.kind, ctx.fuse_wgrad = fc1.grad_output, fc2.grad_output, kind, fuse_wgrad
         ctx.x_shape = x.shape
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -198,15 +193,15 @@ class _FP8MLP(torch.autograd.Function):
     def backward(ctx, dy):
         w1, w2, h = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        rows, state, plan, fuse = ctx.rows, ctx.state, ctx.plan, ctx.fuse_wgrad
+        fuse = ctx.fuse_wgrad
         # fc2: cast dy (+ fc2 dbias), dgrad da = dy @ W2, wgrad dW2 = dy.T @ a
-        dy_fp8, db2 = cast_grad(dy.reshape(-1, dy.shape[-1]), state, rows[5], plan, transpose=ctx.a_t is not None,
-                                dbias=need_b2)
+        dy_fp8, db2 = ctx.grad_q2.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=ctx.a_t is not None,
+                                                 dbias=need_b2)
         da, dw2 = dgrad_wgrad(dy_fp8, ctx.w2_t, ctx.a_t, w2, fuse)
         dx = dw1 = db1 = None
         if da is not None:
             # activation backward cast to FP8 (+ fc1 dbias), fc1 dgrad dx = dh @ W1, wgrad dW1 = dh.T @ x
-            dh_fp8, db1 = act_bwd_cast(da, h, ctx.kind, state, rows[2], plan, transpose=ctx.x_t is not None,
+            dh_fp8, db1 = act_bwd_cast(da, h, ctx.kind, ctx.grad_q1, transpose=ctx.x_t is not None,
                                        dbias=need_b1)
             dx, dw1 = dgrad_wgrad(dh_fp8, ctx.w1_t, ctx.x_t, w1, fuse)
             if dx is not None:
@@ -216,14 +211,14 @@ class _FP8MLP(torch.autograd.Function):
         if db2 is not None:
             db2 = db2.to(w2.dtype)
         ctx.x_t = ctx.w1_t = ctx.a_t = ctx.w2_t = None
-        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None
 
 
 def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor], fc2_weight: torch.Tensor,
-            fc2_bias: Optional[torch.Tensor], kind: str, state: ScalingState, plan: FP8Plan, *,
+            fc2_bias: Optional[torch.Tensor], kind: str, fc1: LinearQuantizers, fc2: LinearQuantizers, *,
             w1_fp8: Optional[Float8Tensor] = None, w2_fp8: Optional[Float8Tensor] = None,
             x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
-            rows: tuple = (0, 1, 2, 3, 4, 5), gelu_epilogue: bool = True) -> torch.Tensor:
+            gelu_epilogue: bool = True) -> torch.Tensor:
     """FP8 ``fc2(act(fc1(x)))`` with gradients, as one autograd node.
 
     Args:
@@ -231,7 +226,8 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
             in ``x.dtype``, before any tensor-parallel reduction.
         fc1_weight: ``[D, h]`` (``D = 2F`` for swiglu, ``[gate | up]``); fc2_weight ``[h_out, F]``; biases ``[D]``,
             ``[h_out]`` or None. All dims multiples of 16.
-        kind: ``"gelu"``, ``"relu"`` or ``"swiglu"``. state: rows ``MLP_ROLES`` (``rows`` maps them).
+        kind: ``"gelu"``, ``"relu"`` or ``"swiglu"``.
+        fc1, fc2: the two GEMMs' :class:`LinearQuantizers` (``fc2.input`` casts the activation).
         w1_fp8, w2_fp8: already cast weights (FP8 weight caching), with their transposes when a backward may run;
             cast now when None. x_fp8: ``x`` already cast (by the norm kernel); cast now when None.
         fuse_wgrad: weight gradients go to fp32 ``weight.main_grad``; ``.grad`` stays None.
@@ -240,27 +236,24 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or fc1_weight.requires_grad
                                               or fc2_weight.requires_grad)
     if x_fp8 is None:
-        x_fp8 = cast_operand(x.reshape(-1, x.shape[-1]), state, rows[0], plan, transpose=needs_grad)
+        x_fp8 = fc1.input.quantize(x.reshape(-1, x.shape[-1]), transpose=needs_grad)
     if w1_fp8 is None:
-        w1_fp8 = cast_operand(fc1_weight, state, rows[1], plan, transpose=needs_grad)
+        w1_fp8 = fc1.weight.quantize(fc1_weight, transpose=needs_grad)
     if w2_fp8 is None:
-        w2_fp8 = cast_operand(fc2_weight, state, rows[4], plan, transpose=needs_grad)
-    return _FP8MLP.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, x_fp8, w1_fp8, w2_fp8, state, plan, kind,
-                         rows, fuse_wgrad, gelu_epilogue)
+        w2_fp8 = fc2.weight.quantize(fc2_weight, transpose=needs_grad)
+    return _FP8MLP.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, x_fp8, w1_fp8, w2_fp8, fc1, fc2, kind,
+                         fuse_wgrad, gelu_epilogue)
 
 
-def _unfused_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, kind, state, plan, *, w1_fp8=None,
-                     w2_fp8=None, x_fp8=None, fuse_wgrad=False, rows=(0, 1, 2, 3, 4, 5),
-                     gelu_epilogue=False) -> torch.Tensor:
+def _unfused_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, kind, fc1, fc2, *, w1_fp8=None,
+                     w2_fp8=None, x_fp8=None, fuse_wgrad=False, gelu_epilogue=False) -> torch.Tensor:
     """:func:`fp8_mlp` as three autograd nodes, ``fp8_linear -> activation_cast -> fp8_linear`` (the composition
     it replaced; kept as the reference the fused op is tested against, bit for bit on CPU; never uses the GELU
     epilogue, ``gelu_epilogue`` is accepted for the same call signature)."""
     if w1_fp8 is None:
-        w1_fp8 = cast_operand(fc1_weight, state, rows[1], plan, transpose=torch.is_grad_enabled())
+        w1_fp8 = fc1.weight.quantize(fc1_weight, transpose=torch.is_grad_enabled())
     if w2_fp8 is None:
-        w2_fp8 = cast_operand(fc2_weight, state, rows[4], plan, transpose=torch.is_grad_enabled())
-    h = fp8_linear(x, fc1_weight, fc1_bias, state, plan, w_fp8=w1_fp8, x_fp8=x_fp8, fuse_wgrad=fuse_wgrad,
-                   rows=rows[0:3])
-    a, a_fp8 = activation_cast(h, kind, state, rows[3], plan, transpose=torch.is_grad_enabled())
-    return fp8_linear(a, fc2_weight, fc2_bias, state, plan, w_fp8=w2_fp8, x_fp8=a_fp8, fuse_wgrad=fuse_wgrad,
-                      rows=rows[3:6])
+        w2_fp8 = fc2.weight.quantize(fc2_weight, transpose=torch.is_grad_enabled())
+    h = fp8_linear(x, fc1_weight, fc1_bias, fc1, w_fp8=w1_fp8, x_fp8=x_fp8, fuse_wgrad=fuse_wgrad)
+    a, a_fp8 = activation_cast(h, kind, fc2.input, transpose=torch.is_grad_enabled())
+    return fp8_linear(a, fc2_weight, fc2_bias, fc2, w_fp8=w2_fp8, x_fp8=a_fp8, fuse_wgrad=fuse_wgrad)

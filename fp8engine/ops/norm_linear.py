@@ -17,8 +17,7 @@ from typing import Optional
 import torch
 
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
-from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.cast import FP8Plan, cast_operand
+from fp8engine.fp8.quantizer import Quantizer
 
 __all__ = ["norm", "norm_cast", "norm_fwd", "norm_bwd", "NORMALIZATIONS"]
 
@@ -33,15 +32,15 @@ def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
 
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
-             zero_centered_gamma: bool, fp8: Optional[tuple] = None, return_hp: bool = True,
-             residual: Optional[torch.Tensor] = None):
-    """Normalise the last dim of ``x`` and, with ``fp8 = (state, row, plan, transpose)``, cast the result.
+             zero_centered_gamma: bool, quantizer: Optional[Quantizer] = None, transpose: bool = False,
+             return_hp: bool = True, residual: Optional[torch.Tensor] = None):
+    """Normalise the last dim of ``x`` and, with a ``quantizer``, cast the result to FP8.
 
     Args:
         x: ``[..., N]`` float32/bfloat16/float16. weight, bias: ``[N]`` (bias None for RMSNorm).
-        fp8: where the FP8 output's scale/amax live (``state`` row ``row``, see :func:`cast_operand`) and whether
-            to also make its transpose (for wgrad; with the fused kernel the byte transpose is deferred to the
-            first ``y_fp8.transpose_2d()`` call).
+        quantizer: the :class:`Quantizer` of the FP8 output (the next GEMM's input role), or None.
+        transpose: also make the FP8 output's transpose (for wgrad; with the fused kernel the byte transpose is
+            deferred to the first ``y_fp8.transpose_2d()`` call).
         return_hp: False when only the FP8 copy is consumed: the fused kernel (delayed scaling) then skips writing
             the high-precision output and ``y`` is a placeholder of the right shape and dtype whose values must
             not be read (it only carries the gradient back to this op, see :class:`_NormCast`).
@@ -59,13 +58,11 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         res = {}
         if residual is not None:
             res = dict(residual=residual.contiguous(), residual_out=torch.empty_like(x))
-        delayed = fp8 is not None and fp8[2].delayed
-        return_hp = return_hp or not delayed  # the torch cast of current scaling reads y
+        delayed = quantizer is not None and quantizer.delayed
+        return_hp = return_hp or not delayed  # the separate cast of current scaling reads y
         scale = fp8_dtype = amax_out = None
         if delayed:
-            state, row, plan, _ = fp8
-            scale, fp8_dtype = state.scale[row:row + 1], plan.fwd_dtype
-            amax_out = state.amax_history[row, 0:1] if plan.record_amax else None
+            scale, fp8_dtype, amax_out = quantizer.scale, quantizer.fp8_dtype, quantizer.amax
         if rms:
             y, y8, scale_inv, rstd = kn.rmsnorm_fwd(x, weight, eps, zero_centered_gamma=zero_centered_gamma,
                                                     scale=scale, fp8_dtype=fp8_dtype, amax_out=amax_out,
@@ -82,11 +79,11 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             y = x.new_empty(()).expand(x.shape)
         y_fp8 = None
         if delayed:
-            # its transpose (fp8[3]) is made by the consumer's first transpose_2d() call, after the consumer's
+            # its transpose (``transpose``) is made by the consumer's first transpose_2d() call, after the consumer's
             # fprop GEMM was issued (at the start of a step the host launches the GEMM one launch earlier)
             y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype)
-        elif fp8 is not None:
-            y_fp8 = cast_operand(y.reshape(-1, y.shape[-1]), fp8[0], fp8[1], fp8[2], transpose=fp8[3])
+        elif quantizer is not None:
+            y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose)
         return y, y_fp8, mean, rstd, x
     if residual is not None:
         x = x + residual
@@ -100,8 +97,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         mean, rstd = None, torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         y = (x.float() * rstd * gamma.float()).to(x.dtype)
     y_fp8 = None
-    if fp8 is not None:
-        y_fp8 = cast_operand(y.reshape(-1, shape[0]), fp8[0], fp8[1], fp8[2], transpose=fp8[3])
+    if quantizer is not None:
+        y_fp8 = quantizer.quantize(y.reshape(-1, shape[0]), transpose=transpose)
     return y, y_fp8, mean, rstd, x
 
 
@@ -145,9 +142,11 @@ class _NormCast(torch.autograd.Function):
     also reads ``s`` costs no separate gradient add."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma, fp8, return_hp=True, residual=None):
+    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma, quantizer, transpose, return_hp=True,
+                residual=None):
         y, y_fp8, mean, rstd, s = norm_fwd(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma,
-                                           fp8=fp8, return_hp=return_hp, residual=residual)
+                                           quantizer=quantizer, transpose=transpose, return_hp=return_hp,
+                                           residual=residual)
         ctx.set_materialize_grads(False)  # an unused s gets no zero-filled gradient
         ctx.save_for_backward(s, weight, mean, rstd)
         ctx.rms, ctx.zero_centered_gamma, ctx.has_bias = rms, zero_centered_gamma, bias is not None
@@ -161,7 +160,7 @@ class _NormCast(torch.autograd.Function):
             dy = torch.zeros_like(s)
         dx, dw, db = norm_bwd(dy, s, mean, rstd, weight, rms=ctx.rms, zero_centered_gamma=ctx.zero_centered_gamma,
                               has_bias=ctx.has_bias, dresidual=ds)
-        return dx, dw, db, None, None, None, None, None, (dx if ctx.has_residual else None)
+        return dx, dw, db, None, None, None, None, None, None, (dx if ctx.has_residual else None)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
@@ -171,20 +170,19 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ep
 
     ``residual`` (like x): normalise ``x + residual``. ``return_input``: return ``(y, s)`` with ``s`` the
     normalised tensor (``x`` or ``x + residual``), whose gradient is added inside the norm's backward."""
-    y, _, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None, True, residual)
+    y, _, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None, False, True, residual)
     return (y, s) if return_input else y
 
 
 def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
-              zero_centered_gamma: bool, state: ScalingState, row: int, plan: FP8Plan,
-              transpose: bool, return_hp: bool = True, residual: Optional[torch.Tensor] = None,
-              return_input: bool = False) -> tuple:
-    """:func:`norm` plus the FP8 copy ``[M, N]`` of its output cast for ``state`` row ``row`` (with its transpose
+              zero_centered_gamma: bool, quantizer: Quantizer, transpose: bool, return_hp: bool = True,
+              residual: Optional[torch.Tensor] = None, return_input: bool = False) -> tuple:
+    """:func:`norm` plus the FP8 copy ``[M, N]`` of its output cast by ``quantizer`` (with its transpose
     when ``transpose``, for the wgrad of the GEMM that consumes it). Returns ``(y, y_fp8)``, or ``(y, y_fp8, s)``
     with ``return_input`` (``residual`` and ``s`` as in :func:`norm`).
 
     ``return_hp=False``: the caller only consumes ``y_fp8`` and uses ``y`` as the tensor its gradient flows
     through (shape and dtype only); the fused kernel then skips the high-precision write (see :func:`norm_fwd`)."""
-    y, y_fp8, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, (state, row, plan, transpose),
+    y, y_fp8, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, quantizer, transpose,
                                   return_hp, residual)
     return (y, y_fp8, s) if return_input else (y, y_fp8)

@@ -17,11 +17,10 @@ from typing import Optional
 
 import torch
 
-from fp8engine.fp8.float8_tensor import Float8Tensor
-from fp8engine.fp8.state import ScalingState
+from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
-from fp8engine.ops.cast import FP8Plan, cast_grad, cast_operand, kernel_scale, use_kernels
-from fp8engine.ops.linear import _FP8Linear, _GRAD, _INPUT, _WEIGHT, linear_backward
+from fp8engine.ops.linear import _FP8Linear, linear_backward
 
 __all__ = ["fp8_linear_qkv", "split_grouped_qkv"]
 
@@ -55,9 +54,9 @@ class _FP8LinearQKV(torch.autograd.Function):
     """:class:`fp8engine.ops.linear._FP8Linear` whose output is returned as the grouped q, k, v views."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, state: ScalingState,
-                plan: FP8Plan, fuse_wgrad: bool, grad_row: int, split: tuple):
-        y = _FP8Linear.forward(ctx, x, weight, bias, x_fp8, w_fp8, state, plan, fuse_wgrad, grad_row)
+    def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, grad_quantizer: Quantizer,
+                fuse_wgrad: bool, split: tuple):
+        y = _FP8Linear.forward(ctx, x, weight, bias, x_fp8, w_fp8, grad_quantizer, fuse_wgrad)
         ctx.hpg = split[1]
         return _views(y, *split)
 
@@ -65,29 +64,27 @@ class _FP8LinearQKV(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         need_db = ctx.needs_input_grad[2]
         need_dw = ctx.needs_input_grad[1] or ctx.fuse_wgrad
-        state, plan, row = ctx.state, ctx.plan, ctx.grad_row
-        if plan.delayed and dq is not None and dk is not None and dv is not None and use_kernels(dq):
+        q = ctx.grad_quantizer
+        if q.delayed and dq is not None and dk is not None and dv is not None and use_kernels(dq):
             from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
 
-            scale, amax_out = kernel_scale(dq, state, row, plan, plan.bwd_dtype, grad=True)
-            data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, scale, plan.bwd_dtype, amax_out)
+            data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax)
             dy_fp8, db = Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if need_db else None)
         else:
             dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg)
-            dy_fp8, db = cast_grad(dy.reshape(-1, dy.shape[-1]), state, row, plan, transpose=need_dw,
-                                   dbias=need_db)
+            dy_fp8, db = q.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=need_dw, dbias=need_db)
         return (*linear_backward(ctx, dy_fp8, db), None)
 
 
-def fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: ScalingState,
-                   plan: FP8Plan, split: tuple[int, int, int], *, w_fp8: Optional[Float8Tensor] = None,
+def fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   quantizers: LinearQuantizers, split: tuple[int, int, int], *, w_fp8: Optional[Float8Tensor] = None,
                    x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False):
     """FP8 QKV projection ``x @ weight.T + bias`` returned as ``(q, k, v)`` grouped views.
 
     Args:
         x: ``[s, b, K]`` high precision. weight: ``[C, K]`` with ``C = g * (hpg + 2) * d`` rows in the grouped
-            layout (module docstring); bias ``[C]`` or None. state/plan/w_fp8/x_fp8/fuse_wgrad: as
-            :func:`fp8engine.ops.linear.fp8_linear` (rows ``LINEAR_ROLES``).
+            layout (module docstring); bias ``[C]`` or None. quantizers/w_fp8/x_fp8/fuse_wgrad: as
+            :func:`fp8engine.ops.linear.fp8_linear`.
         split: ``(g, hpg, d)`` -- KV groups, query heads per group, head dim (per rank).
     Returns:
         ``q [s, b, g, hpg, d]``, ``k [s, b, g, d]``, ``v [s, b, g, d]`` in ``x.dtype`` (views of one buffer).
@@ -100,7 +97,7 @@ def fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                          f"weight has {weight.shape[0]} rows")
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if x_fp8 is None:
-        x_fp8 = cast_operand(x.reshape(-1, x.shape[-1]), state, _INPUT, plan, transpose=needs_grad)
+        x_fp8 = quantizers.input.quantize(x.reshape(-1, x.shape[-1]), transpose=needs_grad)
     if w_fp8 is None:
-        w_fp8 = cast_operand(weight, state, _WEIGHT, plan, transpose=needs_grad)
-    return _FP8LinearQKV.apply(x, weight, bias, x_fp8, w_fp8, state, plan, fuse_wgrad, _GRAD, tuple(split))
+        w_fp8 = quantizers.weight.quantize(weight, transpose=needs_grad)
+    return _FP8LinearQKV.apply(x, weight, bias, x_fp8, w_fp8, quantizers.grad_output, fuse_wgrad, tuple(split))

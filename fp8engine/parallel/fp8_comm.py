@@ -20,9 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fp8engine.fp8.float8_tensor import Float8Tensor, quantize, quantize_current
-from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.cast import FP8Plan
+from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.quantizer import Quantizer
 from fp8engine.parallel.utils import all_gather_into, get_group_size
 
 __all__ = ["cast_and_all_gather_fp8", "all_gather_fp8_bytes", "all_gather_dim0", "sp_all_gather_bytes",
@@ -52,36 +51,32 @@ def all_gather_fp8_bytes(local: Float8Tensor, group, async_op: bool = False):
     return Float8Tensor(raw.view(local.data.dtype), local.scale_inv, local.dtype), work
 
 
-def cast_and_all_gather_fp8(x: torch.Tensor, state: ScalingState, row: int, plan: FP8Plan,
-                            group) -> tuple[Float8Tensor, Float8Tensor]:
+def cast_and_all_gather_fp8(x: torch.Tensor, quantizer: Quantizer, group) -> tuple[Float8Tensor, Float8Tensor]:
     """Cast this rank's sequence shard with the tp-shared scale and all-gather the FP8 bytes.
 
     Args:
         x: ``[s/tp, ..., h]`` high precision, the local sequence shard.
-        state, row: the :class:`ScalingState` and row of this operand (delayed scaling records the tp-MAX amax
-            into ``state.amax_history[row, 0]`` unless the plan is a recompute).
-        plan: the forward's :class:`FP8Plan` (forward dtype).
+        quantizer: this operand's :class:`Quantizer` (delayed scaling records the tp-MAX amax into its amax slot
+            unless it records none: a recompute).
         group: the tensor-parallel group.
     Returns:
         ``(local_fp8, total_fp8)``: the local shard ``[s/tp, ..., h]`` and the gathered ``[s, ..., h]`` FP8 tensors,
         sharing one ``scale_inv``.
     """
-    fp8_dtype = plan.fwd_dtype
-    if plan.delayed:
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device) if plan.record_amax else None
-        local = quantize(x, fp8_dtype, state.scale[row:row + 1], amax_out=amax)
+    if quantizer.delayed:
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device) if quantizer.record_amax else None
+        local = Quantizer(quantizer.fp8_dtype, "delayed", quantizer.scale, amax).quantize(x)
         total, work = all_gather_fp8_bytes(local, group, async_op=True)
         amax_work = dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group, async_op=True) \
             if amax is not None else None
         work.wait()
         if amax_work is not None:
             amax_work.wait()
-            hist = state.amax_history[row, 0:1]
-            torch.maximum(hist, amax, out=hist)
+            torch.maximum(quantizer.amax, amax, out=quantizer.amax)
         return local, total
     amax = x.detach().abs().amax().float().reshape(1)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # the scale must be known before the cast
-    local = quantize_current(x, fp8_dtype, amax=amax)
+    local = quantizer.quantize(x, amax=amax)
     total, _ = all_gather_fp8_bytes(local, group)
     return local, total
 
@@ -99,11 +94,11 @@ def sp_all_gather_bytes(local_shape, dtype: torch.dtype, group_size: int, fp8: b
 
 
 def measure_sp_all_gather(x_local: torch.Tensor, group, *, fp8: bool, iters: int = 20, warmup: int = 3,
-                          plan: Optional[FP8Plan] = None) -> dict:
+                          quantizer: Optional[Quantizer] = None) -> dict:
     """Time the sequence-parallel input all-gather of ``x_local`` ``[s/tp, b, h]`` in high precision or FP8.
 
     The FP8 variant times the whole path a column layer runs (cast with a shared scale + amax all-reduce +
-    uint8 all-gather), with current scaling when ``plan`` is None (an amax all-reduce before the cast; the
+    uint8 all-gather), with current scaling when ``quantizer`` is None (an amax all-reduce before the cast; the
     costlier of the two recipes). Used by the lead's benchmark; nothing here prints.
 
     Returns:
@@ -114,11 +109,10 @@ def measure_sp_all_gather(x_local: torch.Tensor, group, *, fp8: bool, iters: int
     if fp8:
         from fp8engine.fp8.dtypes import fp8_dtype_of
 
-        plan = plan or FP8Plan(fp8_dtype_of("e4m3"), fp8_dtype_of("e5m2"), delayed=False, record_amax=False)
-        state = ScalingState(("input",), amax_history_len=1, device=x_local.device)
+        quantizer = quantizer or Quantizer(fp8_dtype_of("e4m3"), "current")
 
         def step():
-            cast_and_all_gather_fp8(x_local, state, 0, plan, group)
+            cast_and_all_gather_fp8(x_local, quantizer, group)
     else:
         def step():
             all_gather_dim0(x_local, group)

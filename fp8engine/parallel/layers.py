@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8engine.fp8.autocast import get_fp8_context
+from fp8engine.fp8.quantizer import LinearQuantizers, get_quantizers
 from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.cast import FP8Plan, begin_fp8
 from fp8engine.ops.gemm import check_gemm_dims
 from fp8engine.ops.linear import LINEAR_ROLES
 from fp8engine.parallel.linear_ops import TPLinearConfig, tp_linear
@@ -51,14 +51,14 @@ class _TPLinearBase(nn.Module):
         self._gemm_dims = (in_local, out_local)
         self._fp8_dims_checked = False
 
-    def _fp8_begin(self) -> Optional[FP8Plan]:
+    def _fp8_begin(self) -> Optional[LinearQuantizers]:
         ctx = get_fp8_context()
         if ctx is None:
             return None
         if not self._fp8_dims_checked:
             check_gemm_dims(*self._gemm_dims, what=f"{type(self).__name__} (per-rank shard)")
             self._fp8_dims_checked = True
-        return begin_fp8(self.fp8_state, ctx)
+        return get_quantizers(self.fp8_state, ctx)[0]
 
 
 class ColumnParallelLinear(_TPLinearBase):
@@ -110,9 +110,9 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def forward(self, input_: torch.Tensor):
         """Returns ``(output, output_bias)``; see the class docstring for shapes."""
-        plan = self._fp8_begin()
+        quantizers = self._fp8_begin()
         bias = None if self.skip_bias_add else self.bias
-        out = tp_linear(input_, self.weight, bias, self._cfg, state=self.fp8_state, plan=plan)
+        out = tp_linear(input_, self.weight, bias, self._cfg, quantizers=quantizers)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
@@ -168,9 +168,9 @@ class RowParallelLinear(_TPLinearBase):
 
     def forward(self, input_: torch.Tensor):
         """Returns ``(output, output_bias)``; see the class docstring for shapes."""
-        plan = self._fp8_begin()
+        quantizers = self._fp8_begin()
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        partial = tp_linear(x, self.weight, None, self._cfg, state=self.fp8_state, plan=plan)
+        partial = tp_linear(x, self.weight, None, self._cfg, quantizers=quantizers)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

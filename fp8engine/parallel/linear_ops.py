@@ -12,7 +12,7 @@ Per rank (tp = tensor-parallel size):
   the partial outputs with the mappings.
 
 Under :func:`fp8engine.autocast` the GEMMs are FP8 (:func:`fp8engine.ops.gemm.fp8_gemm`, operands cast by
-:func:`fp8engine.ops.cast.cast_operand`), otherwise plain matmuls in the input dtype.
+:meth:`fp8engine.fp8.quantizer.Quantizer.quantize`), otherwise plain matmuls in the input dtype.
 """
 from __future__ import annotations
 
@@ -23,16 +23,13 @@ import torch
 import torch.distributed as dist
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
-from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.cast import FP8Plan, cast_operand
+from fp8engine.fp8.quantizer import LinearQuantizers
 from fp8engine.ops.gemm import fp8_gemm, fp8_mm_accumulate
 from fp8engine.ops.linear import accumulate_wgrad, main_grad_of
 from fp8engine.parallel.fp8_comm import all_gather_dim0, all_gather_fp8_bytes, cast_and_all_gather_fp8
 from fp8engine.parallel.utils import get_group_size, reduce_scatter_into
 
 __all__ = ["TPLinearConfig", "tp_linear"]
-
-_INPUT, _WEIGHT, _GRAD = 0, 1, 2  # rows of fp8engine.ops.linear.LINEAR_ROLES
 
 
 @dataclass(frozen=True)
@@ -60,30 +57,30 @@ class TPLinearConfig:
 
 class _TPLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, state: Optional[ScalingState], plan: Optional[FP8Plan], cfg: TPLinearConfig,
+    def forward(ctx, x, weight, bias, quantizers: Optional[LinearQuantizers], cfg: TPLinearConfig,
                 w_fp8: Optional[Float8Tensor]):
         group = cfg.tp_group
         gather = cfg.gather_input and get_group_size(group) > 1
         x2d = x.reshape(-1, x.shape[-1])
         ctx.regather = None  # what backward must all-gather again: a high-precision or an FP8 shard
         ctx.x_total_fp8 = None
-        if plan is None:
+        if quantizers is None:
             x_total = all_gather_dim0(x2d, group)[0] if gather else x2d
             y = torch.nn.functional.linear(x_total, weight, bias)
             ctx.save_for_backward(x2d if gather else x_total, weight)
             ctx.regather = "hp" if gather else None
         else:
             if gather and cfg.fp8_all_gather:
-                local, x_total_fp8 = cast_and_all_gather_fp8(x2d, state, _INPUT, plan, group)
+                local, x_total_fp8 = cast_and_all_gather_fp8(x2d, quantizers.input, group)
                 ctx.x_total_fp8, ctx.regather = local, "fp8"
             else:
                 x_total = all_gather_dim0(x2d, group)[0] if gather else x2d
-                x_total_fp8 = cast_operand(x_total, state, _INPUT, plan)
+                x_total_fp8 = quantizers.input.quantize(x_total)
                 ctx.x_total_fp8 = x_total_fp8
             y = fp8_gemm(x_total_fp8, w_fp8, x.dtype, bias=None if bias is None else bias.to(x.dtype),
                          use_fast_accum=True)
             ctx.save_for_backward(weight)
-        ctx.state, ctx.plan, ctx.cfg, ctx.w_fp8 = state, plan, cfg, w_fp8
+        ctx.quantizers, ctx.cfg, ctx.w_fp8 = quantizers, cfg, w_fp8
         ctx.has_bias = bias is not None
         ctx.x_local_shape = x.shape
         rows_total = y.shape[0]
@@ -91,7 +88,7 @@ class _TPLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        cfg, plan, group = ctx.cfg, ctx.plan, ctx.cfg.tp_group
+        cfg, quantizers, group = ctx.cfg, ctx.quantizers, ctx.cfg.tp_group
         weight = ctx.saved_tensors[-1]
         need_dx, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_dw = (ctx.needs_input_grad[1] or cfg.fuse_wgrad) and weight.requires_grad
@@ -105,16 +102,16 @@ class _TPLinear(torch.autograd.Function):
                 x_total, gather_work = all_gather_dim0(ctx.saved_tensors[0], group, async_op=True)
             elif ctx.regather == "fp8":
                 x_total_fp8, gather_work = all_gather_fp8_bytes(ctx.x_total_fp8, group, async_op=True)
-            elif plan is None:
+            elif quantizers is None:
                 x_total = ctx.saved_tensors[0]
             else:
                 x_total_fp8 = ctx.x_total_fp8
 
-        dy_fp8 = cast_operand(dy2d, ctx.state, _GRAD, plan, grad=True) if plan is not None else None
+        dy_fp8 = quantizers.grad_output.quantize(dy2d) if quantizers is not None else None
 
         dx = dgrad_work = None
         if need_dx:  # dgrad: dx = dy @ w (a partial sum over tp ranks for column parallel)
-            if plan is None:
+            if quantizers is None:
                 dx_total = dy2d @ weight
             else:
                 dx_total = fp8_gemm(dy_fp8, ctx.w_fp8, dy.dtype, transpose_b=True)
@@ -130,7 +127,7 @@ class _TPLinear(torch.autograd.Function):
         if need_dw:  # wgrad: dw = dy.T @ x_total, overlapped with the dgrad communication
             if gather_work is not None:
                 gather_work.wait()
-            if plan is None:
+            if quantizers is None:
                 dw = dy2d.t() @ x_total
                 if cfg.fuse_wgrad:
                     accumulate_wgrad(weight, dw.float())
@@ -147,11 +144,11 @@ class _TPLinear(torch.autograd.Function):
         if dx is not None:
             dx = dx.reshape(ctx.x_local_shape)
         ctx.x_total_fp8 = ctx.w_fp8 = None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None
 
 
 def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: TPLinearConfig, *,
-              state: Optional[ScalingState] = None, plan: Optional[FP8Plan] = None,
+              quantizers: Optional[LinearQuantizers] = None,
               w_fp8: Optional[Float8Tensor] = None) -> torch.Tensor:
     """``x_total @ weight.T + bias`` with the communication ``cfg`` describes (see the module docstring).
 
@@ -159,12 +156,12 @@ def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         x: ``[s_local, *, K]`` (``s_local = s/tp`` when ``cfg.gather_input``), float32/bf16/fp16.
         weight: this rank's ``[N_local, K]`` shard. bias: ``[N_local]`` or None (added in the GEMM).
         cfg: a :class:`TPLinearConfig`.
-        state, plan: the module's :class:`ScalingState` (rows ``input, weight, grad_output``) and the
-            :class:`FP8Plan` of the active autocast; ``plan=None`` runs in high precision.
-        w_fp8: the weight already cast (cast here when None and ``plan`` is given).
+        quantizers: the module's :class:`LinearQuantizers` under the active autocast; None runs in high
+            precision.
+        w_fp8: the weight already cast (cast here when None and ``quantizers`` is given).
     Returns:
         ``[s, *, N_local]`` in ``x.dtype`` (``s = tp * s_local`` when gathering).
     """
-    if plan is not None and w_fp8 is None:
-        w_fp8 = cast_operand(weight, state, _WEIGHT, plan, transpose=torch.is_grad_enabled())
-    return _TPLinear.apply(x, weight, bias, state, plan, cfg, w_fp8)
+    if quantizers is not None and w_fp8 is None:
+        w_fp8 = quantizers.weight.quantize(weight, transpose=torch.is_grad_enabled())
+    return _TPLinear.apply(x, weight, bias, quantizers, cfg, w_fp8)

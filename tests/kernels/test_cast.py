@@ -156,3 +156,32 @@ def test_transpose_fp8_is_the_byte_transpose(device, fp8_dtype, shape):
     out = transpose_fp8(data)
     assert out.dtype == fp8_dtype and out.shape == (shape[-1], data.numel() // shape[-1])
     assert torch.equal(out.view(torch.uint8), transpose_fp8_reference(data).view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("transpose", [False, True], ids=["flat", "transpose"])
+@pytest.mark.parametrize("amax_value", [3.7, 2.0 ** -140, 0.0, float("inf"), float("nan")],
+                         ids=["normal", "subnormal", "zero", "inf", "nan"])
+def test_scale_from_amax_matches_current_scale(device, fp8_dtype, transpose, amax_value):
+    # current scaling with the scale derived on the device from the amax: the same scale (hence the same bits and
+    # scale_inv) as fp8engine.fp8.float8_tensor.current_scale -- fp8_max / amax, 1.0 for 0 / inf / NaN amaxes
+    from fp8engine.fp8.float8_tensor import current_scale
+
+    x = randn((70, 48), torch.bfloat16, device, seed=9, scale=1.5)
+    amax = torch.full((1,), amax_value, device=device)
+    scale = current_scale(amax, fp8_dtype)
+    data, data_t, si = cast_to_fp8(x, amax, fp8_dtype, transpose=transpose, scale_from_amax=True)
+    rdata, rdata_t, rsi = cast_to_fp8(x, scale, fp8_dtype, transpose=transpose)
+    ref = cast_to_fp8_reference(x, amax, fp8_dtype, transpose=transpose, scale_from_amax=True)
+    assert_fp8_equal(data, rdata, fp8_dtype)
+    assert_fp8_equal(data, ref[0], fp8_dtype)
+    torch.testing.assert_close(si, rsi, rtol=0, atol=0)
+    torch.testing.assert_close(si, ref[2], rtol=0, atol=0)
+    if amax_value in (0.0, float("inf")) or amax_value != amax_value:
+        assert si.item() == 1.0
+    if transpose:
+        assert_fp8_equal(data_t, rdata_t, fp8_dtype)
+    dbias_out = cast_transpose_dbias(x, amax, fp8_dtype, scale_from_amax=True)
+    assert_fp8_equal(dbias_out[0], rdata, fp8_dtype)
+    torch.testing.assert_close(dbias_out[2], rsi, rtol=0, atol=0)

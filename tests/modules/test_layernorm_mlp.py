@@ -124,13 +124,13 @@ def test_bad_arguments():
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_fused_fp8_mlp_matches_unfused(recipe, activation, bias):
     # The FP8 path runs fc1 -> activation -> fc2 as one autograd node; on CPU it must give the same bits as the
-    # three-node composition it replaced (_fused = False): outputs, every gradient, the amax histories and scales
+    # three-node composition it replaced (fused=False): outputs, every gradient, the amax histories and scales
     # over two steps (step 2 uses the scales learned in step 1), with weight caching on the second micro-batch.
     x = torch.randn(7, 3, H)
     results = []
     for fused in (True, False):
         mlp = _mlp(activation, bias=bias)
-        mlp._fused = fused
+        mlp.fused = fused
         xi = x.clone().requires_grad_()
         ys = []
         for step in range(2):

@@ -1,9 +1,9 @@
-"""ops.cast dispatch: the Triton-kernel path (forced on CPU under the interpreter) against the torch path."""
+"""Quantizer dispatch: the Triton-kernel path (forced on CPU under the interpreter) against the torch path."""
 import pytest
 import torch
 
 from _ops_test_utils import IGNORE_INTERPRETER_WARNINGS, force_kernels, make_state  # noqa: F401 (fixture)
-from fp8engine.ops.cast import cast_grad, cast_operand, use_kernels
+from fp8engine.fp8.float8_tensor import use_kernels
 
 pytestmark = IGNORE_INTERPRETER_WARNINGS
 ROLES = ("input", "weight", "grad_output")
@@ -19,12 +19,12 @@ def test_use_kernels_is_false_on_cpu():
 
 
 def _cast_both(force_kernels, delayed, fn):
-    """``fn(state, plan)`` on the torch path, then on the kernel path; the recorded amaxes must be identical."""
-    st_t, plan = make_state(ROLES, delayed)
-    out_t = fn(st_t, plan)
+    """``fn(quantizers)`` on the torch path, then on the kernel path; the recorded amaxes must be identical."""
+    st_t, qs = make_state(ROLES, delayed)
+    out_t = fn(qs[0])
     force_kernels(True)
-    st_k, plan = make_state(ROLES, delayed)
-    out_k = fn(st_k, plan)
+    st_k, qs = make_state(ROLES, delayed)
+    out_k = fn(qs[0])
     torch.testing.assert_close(st_k.amax_history, st_t.amax_history, rtol=0, atol=0)
     return out_t, out_k
 
@@ -35,8 +35,8 @@ def _cast_both(force_kernels, delayed, fn):
 def test_cast_grad_kernel_matches_torch(force_kernels, delayed, dbias, dtype):
     dy = _grad(dtype)
 
-    def fn(st, plan):
-        return cast_grad(dy, st, 2, plan, transpose=True, dbias=dbias)
+    def fn(q):
+        return q.grad_output.quantize_dbias(dy, transpose=True, dbias=dbias)
     (qt, dbt), (qk, dbk) = _cast_both(force_kernels, delayed, fn)
     # same scale, RNE conversion in both: identical FP8 bits, both layouts, and the same scale_inv
     assert qk.data.dtype == qt.data.dtype == torch.float8_e5m2
@@ -57,8 +57,8 @@ def test_cast_grad_kernel_matches_torch(force_kernels, delayed, dbias, dtype):
 def test_cast_operand_kernel_matches_torch(force_kernels, delayed):
     x = _grad(torch.bfloat16, 200, 64, seed=1)
 
-    def fn(st, plan):
-        return cast_operand(x, st, 0, plan, transpose=True)
+    def fn(q):
+        return q.input.quantize(x, transpose=True)
     qt, qk = _cast_both(force_kernels, delayed, fn)
     assert torch.equal(qk.data.view(torch.uint8), qt.data.view(torch.uint8))
     assert torch.equal(qk.transpose_2d().view(torch.uint8), qt.transpose_2d().view(torch.uint8))

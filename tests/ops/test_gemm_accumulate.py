@@ -1,10 +1,10 @@
 """``fp8_mm_accumulate``: the FP8 GEMM that adds into an fp32 output (``fuse_wgrad_accumulation``). On CUDA it is one
-cuBLASLt call with beta = 1 (``fp8engine.ops.cublaslt``); on CPU a GEMM into fp32 plus ``add_``."""
+cuBLASLt call with beta = 1 (``fp8engine.kernels.cublaslt``); on CPU a GEMM into fp32 plus ``add_``."""
 import pytest
 import torch
 
 import fp8engine as fe
-from fp8engine.ops import cublaslt
+from fp8engine.kernels import cublaslt
 from fp8engine.ops.gemm import fp8_mm, fp8_mm_accumulate
 from tests.conftest import sqnr
 

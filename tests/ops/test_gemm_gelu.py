@@ -8,8 +8,7 @@ import torch
 
 import fp8engine as fe
 from fp8engine.fp8.float8_tensor import Float8Tensor
-from fp8engine.ops import cublaslt
-from fp8engine.ops.cast import FP8Plan
+from fp8engine.kernels import cublaslt
 from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
 from fp8engine.ops.mlp import MLP_ROLES, fc1_fprop_act, fp8_mlp
 from fp8engine.fp8.state import ScalingState
@@ -18,7 +17,14 @@ from tests.kernels._kernel_test_utils import assert_fp8_close
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuBLASLt GELU epilogue needs a GPU")
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
-DELAYED = FP8Plan(E4M3, torch.float8_e5m2, delayed=True, record_amax=True)
+
+from fp8engine.fp8.autocast import FP8Context
+from fp8engine.fp8.quantizer import get_quantizers
+
+
+def _quantizers(state):
+    """fc1's and fc2's LinearQuantizers of ``state`` under delayed scaling (HYBRID), amaxes recorded."""
+    return get_quantizers(state, FP8Context(fe.DelayedScaling(amax_history_len=state.amax_history.shape[1])))
 
 
 def _gelu64(x, approximate):
@@ -77,12 +83,13 @@ def test_matches_gemm_then_activation(m, dtype):
     state.scale[3] = 100.0
     state.amax_history[3, 0] = 1e-3  # an amax recorded earlier in this step must be max-accumulated, not lost
     h_ref = fp8_gemm(x, w, dtype, bias=bias, use_fast_accum=True)
-    h, y = fc1_fprop_act(x, w, bias, dtype, "gelu", state, 3, DELAYED, transpose=True)
+    h, y = fc1_fprop_act(x, w, bias, dtype, "gelu", _quantizers(state)[1].input, transpose=True)
     assert state.amax_history[3, 0].item() > 1e-3
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
     ref_state = ScalingState(MLP_ROLES, device="cuda")
     ref_state.scale[3] = 100.0
-    _, y_ref = fc1_fprop_act(x, w, bias, dtype, "gelu", ref_state, 3, DELAYED, transpose=True, gelu_epilogue=False)
+    _, y_ref = fc1_fprop_act(x, w, bias, dtype, "gelu", _quantizers(ref_state)[1].input, transpose=True,
+                             gelu_epilogue=False)
     assert torch.equal(y.scale_inv, y_ref.scale_inv)  # 1 / scale by IEEE division on both paths
     gelu = _gelu64(h_ref.float(), "tanh")
     assert sqnr(gelu, y.dequantize(torch.float64)) >= sqnr(gelu, y_ref.dequantize(torch.float64)) - 0.5
@@ -110,7 +117,7 @@ def test_mlp_op_with_and_without_epilogue():
         state.scale.fill_(16.0)
         xi = x.clone().requires_grad_()
         ps = [p.to(BF16).cuda().requires_grad_() for p in params]
-        y = fp8_mlp(xi, *ps, "gelu", state, DELAYED, gelu_epilogue=epilogue)
+        y = fp8_mlp(xi, *ps, "gelu", *_quantizers(state), gelu_epilogue=epilogue)
         y.backward(dy)
         outs.append([y.detach(), xi.grad] + [p.grad for p in ps])
     for i, (u, v) in enumerate(zip(*outs)):

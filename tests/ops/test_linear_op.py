@@ -15,8 +15,8 @@ def _run(delayed, dtype, bias, fuse_wgrad=False):
     b = torch.randn(32, generator=g).to(dtype).requires_grad_() if bias else None
     if fuse_wgrad:
         w.main_grad = torch.zeros(32, 48)
-    st, plan = make_state(LINEAR_ROLES, delayed)
-    y = fp8_linear(x, w, b, st, plan, fuse_wgrad=fuse_wgrad)
+    st, qs = make_state(LINEAR_ROLES, delayed)
+    y = fp8_linear(x, w, b, qs[0], fuse_wgrad=fuse_wgrad)
     y.backward(torch.randn(y.shape, generator=g).to(dtype) * 2)
     return y.detach(), x.grad, w.main_grad if fuse_wgrad else w.grad, None if b is None else b.grad, st.amax_history
 

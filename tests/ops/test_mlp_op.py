@@ -23,13 +23,13 @@ def _inputs(kind, bias, dtype=torch.float32, m=1151, seed=0):
 
 
 def _run(fn, kind, delayed, x, params, dy, *, frozen=False, fuse_wgrad=False, x_grad=True):
-    st, plan = make_state(MLP_ROLES, delayed)
+    st, qs = make_state(MLP_ROLES, delayed)
     x = x.clone().requires_grad_(x_grad)
     params = [None if p is None else p.clone().requires_grad_(not (frozen and p.dim() == 2)) for p in params]
     if fuse_wgrad:
         for w in (params[0], params[2]):
             w.main_grad = torch.zeros_like(w, dtype=torch.float32)
-    y = fn(x, *params, kind, st, plan, fuse_wgrad=fuse_wgrad)
+    y = fn(x, *params, kind, *qs, fuse_wgrad=fuse_wgrad)
     y.backward(dy)
     grads = [x.grad] + [None if p is None else (p.main_grad if fuse_wgrad and p.dim() == 2 else p.grad)
                         for p in params]
@@ -73,9 +73,9 @@ def test_fused_frozen_and_fused_wgrad(kind):
 
 def test_no_backward_state_without_grad():
     x, params, _ = _inputs("gelu", True, m=64)
-    st, plan = make_state(MLP_ROLES, True)
+    st, qs = make_state(MLP_ROLES, True)
     with torch.no_grad():
-        y = fp8_mlp(x, *params, "gelu", st, plan)
+        y = fp8_mlp(x, *params, "gelu", *qs)
     assert y.shape == x.shape and y.grad_fn is None
 
 

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-import fp8engine.ops.cast as ops_cast
-import fp8engine.ops.norm_linear as ops_norm
+from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.ops.norm_linear import norm_cast
 from tests.ops._ops_test_utils import IGNORE_INTERPRETER_WARNINGS, force_kernels, make_state  # noqa: F401
 
@@ -16,8 +15,8 @@ def _run(rms, delayed, return_hp, dtype):
     x = (torch.randn(70, 48, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
     w = (torch.rand(48, generator=g) + 0.5).to(dtype).requires_grad_()
     b = None if rms else (torch.randn(48, generator=g) * 0.1).to(dtype).requires_grad_()
-    st, plan = make_state(("input", "weight", "grad_output"), delayed)
-    y, y_fp8 = norm_cast(x, w, b, 1e-5, rms=rms, zero_centered_gamma=False, state=st, row=0, plan=plan,
+    st, qs = make_state(("input", "weight", "grad_output"), delayed)
+    y, y_fp8 = norm_cast(x, w, b, 1e-5, rms=rms, zero_centered_gamma=False, quantizer=qs[0].input,
                          transpose=True, return_hp=return_hp)
     assert y.shape == x.shape and y.dtype == x.dtype
     dy = torch.randn(x.shape, generator=g).to(dtype)
@@ -28,8 +27,7 @@ def _run(rms, delayed, return_hp, dtype):
 
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("delayed", [True, False])
-def test_return_hp_false_changes_only_the_hp_output(force_kernels, monkeypatch, rms, delayed):
-    monkeypatch.setattr(ops_norm, "use_kernels", lambda t: True)
+def test_return_hp_false_changes_only_the_hp_output(force_kernels, rms, delayed):
     force_kernels(True)
     y_hp, f_hp, amax_hp, g_hp = _run(rms, delayed, True, torch.bfloat16)
     _, f_no, amax_no, g_no = _run(rms, delayed, False, torch.bfloat16)
@@ -45,10 +43,10 @@ def test_torch_path_ignores_return_hp():
     """Without kernels the norm output is computed anyway (the cast reads it): return_hp=False returns it too."""
     x = torch.randn(33, 48, generator=torch.Generator().manual_seed(5))
     w, b = torch.rand(48) + 0.5, torch.randn(48)
-    st, plan = make_state(("input", "weight", "grad_output"), True)
-    y, _ = norm_cast(x, w, b, 1e-5, rms=False, zero_centered_gamma=False, state=st, row=0, plan=plan,
+    st, qs = make_state(("input", "weight", "grad_output"), True)
+    y, _ = norm_cast(x, w, b, 1e-5, rms=False, zero_centered_gamma=False, quantizer=qs[0].input,
                      transpose=False, return_hp=False)
-    assert not ops_cast.use_kernels(x)
+    assert not use_kernels(x)
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (48,), w, b, 1e-5), rtol=0, atol=0)
 
 
@@ -60,8 +58,8 @@ def _run_residual(rms, dtype, fused):
     r = (torch.randn(70, 48, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
     w = (torch.rand(48, generator=g) + 0.5).to(dtype).requires_grad_()
     b = None if rms else (torch.randn(48, generator=g) * 0.1).to(dtype).requires_grad_()
-    st, plan = make_state(("input", "weight", "grad_output"), True)
-    kw = dict(rms=rms, zero_centered_gamma=False, state=st, row=0, plan=plan, transpose=True, return_hp=True)
+    st, qs = make_state(("input", "weight", "grad_output"), True)
+    kw = dict(rms=rms, zero_centered_gamma=False, quantizer=qs[0].input, transpose=True, return_hp=True)
     if fused:
         y, y_fp8, s = norm_cast(x, w, b, 1e-5, residual=r, return_input=True, **kw)
     else:
@@ -75,13 +73,12 @@ def _run_residual(rms, dtype, fused):
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
-def test_residual_fused_matches_add_then_norm(force_kernels, monkeypatch, rms, dtype, kernels):
+def test_residual_fused_matches_add_then_norm(force_kernels, rms, dtype, kernels):
     """The residual add inside norm_cast vs torch's add in front of it, on both paths: s, y, the FP8 bits and
     dgamma/dbeta identical; x and r get one gradient, the norm's dx plus ds: on the kernel path added in fp32
     inside the kernel (one rounding), on the torch path and in autograd's accumulation after rounding (two), so
     within 2 ulps of dtype on the kernel path and exact on the torch path."""
     if kernels:
-        monkeypatch.setattr(ops_norm, "use_kernels", lambda t: True)
         force_kernels(True)
     s_u, y_u, f_u, g_u = _run_residual(rms, dtype, False)
     s_f, y_f, f_f, g_f = _run_residual(rms, dtype, True)
@@ -100,8 +97,8 @@ def test_return_input_without_residual_is_a_gradient_path():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(9, 32, generator=g, requires_grad=True)
     w, b = torch.rand(32, generator=g) + 0.5, torch.randn(32, generator=g)
-    st, plan = make_state(("input", "weight", "grad_output"), True)
-    y, _, s = norm_cast(x, w, b, 1e-5, rms=False, zero_centered_gamma=False, state=st, row=0, plan=plan,
+    st, qs = make_state(("input", "weight", "grad_output"), True)
+    y, _, s = norm_cast(x, w, b, 1e-5, rms=False, zero_centered_gamma=False, quantizer=qs[0].input,
                         transpose=False, return_input=True)
     assert torch.equal(s, x)
     dy, ds = torch.randn(9, 32, generator=g), torch.randn(9, 32, generator=g)

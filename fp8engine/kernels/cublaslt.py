@@ -309,7 +309,7 @@ def _launch(a, a_scale_inv, b, b_scale_inv, out, *, accumulate: bool, fast_accum
 
 def _require_context(what: str) -> None:
     if _get_context() is None:
-        raise RuntimeError(f"fp8engine.ops.cublaslt.{what} needs cuBLASLt on a GPU: {_load_error}")
+        raise RuntimeError(f"fp8engine.kernels.cublaslt.{what} needs cuBLASLt on a GPU: {_load_error}")
 
 
 def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,

@@ -1,0 +1,190 @@
+"""``Quantizer``: how one FP8 tensor role of a module (a GEMM's input, weight or output gradient) is cast.
+
+A module's :class:`~fp8engine.fp8.state.ScalingState` holds one row per role. :func:`get_quantizers` turns it into
+one :class:`LinearQuantizers` ``(input, weight, grad_output)`` per GEMM, built once per state, recipe and
+``record_amax`` flag and cached on the state: the per-call FP8 set-up is a dict look-up, and every fused op takes
+these objects instead of ``(state, row, plan)``.
+
+Recipes (``kind``):
+- ``"delayed"`` (:class:`~fp8engine.recipe.DelayedScaling`): ``scale`` is the ``[1]`` view ``state.scale[row:row+1]``;
+  ``amax`` the ``[1]`` view ``state.amax_history[row, 0:1]`` that each cast max-accumulates ``max |x|`` into (None
+  for forward roles while activation checkpointing recomputes: the amax was counted in the first forward).
+- ``"current"`` (:class:`~fp8engine.recipe.CurrentScaling`): ``scale = fp8_max / max |x|`` of the tensor being cast
+  (1.0 where that amax is 0 or not finite); nothing recorded, ``scale`` and ``amax`` are None.
+Other recipe kinds (e.g. block scaling) get their own ``kind`` and ``quantize`` branch here.
+
+Backend: :func:`fp8engine.fp8.float8_tensor.use_kernels` picks the Triton kernels (CUDA) or the plain-PyTorch
+reference (CPU); both give the same FP8 bits for the same scale.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from fp8engine.fp8.dtypes import fp8_dtype_of
+from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize_torch, use_kernels
+from fp8engine.recipe import CurrentScaling, DelayedScaling
+
+__all__ = ["Quantizer", "LinearQuantizers", "get_quantizers", "recipe_kind"]
+
+#: Quantizer sets kept per state (one per recipe x record flag); more than this and the cache starts over.
+_CACHE_SIZE = 8
+
+
+def recipe_kind(recipe) -> str:
+    """``"delayed"`` or ``"current"`` for a recipe object; ``TypeError`` for any other."""
+    if isinstance(recipe, DelayedScaling):
+        return "delayed"
+    if isinstance(recipe, CurrentScaling):
+        return "current"
+    raise TypeError(f"no FP8 quantizer for recipe {type(recipe).__name__}; use DelayedScaling or CurrentScaling")
+
+
+class Quantizer:
+    """Casts tensors of one FP8 role to :class:`Float8Tensor` (``data = saturate(x * scale)``, round to nearest
+    even; ``scale_inv = 1 / scale`` written with the bits).
+
+    Attributes:
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (the recipe format's forward or backward half).
+        kind: ``"delayed"`` or ``"current"`` (module docstring).
+        scale: delayed: ``[1]`` float32 view of the state's ``scale`` row (multiply by it to enter the FP8 range);
+            current: None.
+        amax: delayed: ``[1]`` float32 view of the state's ``amax_history[row, 0]``, or None when the amax is not
+            recorded; current: None.
+        role: the role name (for messages).
+    """
+
+    __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed")
+
+    def __init__(self, fp8_dtype: torch.dtype, kind: str, scale: Optional[torch.Tensor] = None,
+                 amax: Optional[torch.Tensor] = None, role: str = ""):
+        if kind not in ("delayed", "current"):
+            raise ValueError(f"Quantizer kind must be 'delayed' or 'current', got {kind!r}")
+        if kind == "delayed" and scale is None:
+            raise ValueError("a delayed-scaling Quantizer needs its scale (a [1] float32 tensor)")
+        self.fp8_dtype, self.kind, self.scale, self.amax, self.role = fp8_dtype, kind, scale, amax, role
+        self.delayed = kind == "delayed"
+
+    @property
+    def record_amax(self) -> bool:
+        return self.amax is not None
+
+    def _kernel_args(self, x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple:
+        """``(scale, amax_out, scale_from_amax)`` for a cast kernel writing ``x``: delayed scaling passes its views;
+        current scaling passes ``max |x|`` (from the ``compute_amax`` kernel, one read of ``x``, unless given) as
+        the scale operand and lets the cast kernel derive the scale from it on the device (no torch ops between
+        the two launches, no host synchronisation)."""
+        if self.delayed:
+            return self.scale, self.amax, False
+        if amax is None:
+            from fp8engine.kernels.cast import compute_amax
+
+            amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+            compute_amax(x, amax)
+        else:
+            amax = amax.float().reshape(1)
+        return amax, None, True
+
+    def quantize(self, x: torch.Tensor, *, transpose: bool = False,
+                 amax: Optional[torch.Tensor] = None) -> Float8Tensor:
+        """Cast ``x [*, N]`` (float32/bf16/fp16); with ``transpose`` also the 2-D transposed copy ``[N, M]``.
+
+        ``amax`` (current scaling only): ``max |x|`` computed already (e.g. MAX-reduced across ranks), as a
+        1-element float32 tensor. Kernels: one cast(-transpose) pass (current scaling: an amax pass first)."""
+        if use_kernels(x):
+            from fp8engine.kernels.cast import cast_to_fp8
+
+            x = x.contiguous()
+            scale, amax_out, from_amax = self._kernel_args(x, amax)
+            data, data_t, scale_inv = cast_to_fp8(x, scale, self.fp8_dtype, amax_out, transpose=transpose,
+                                                  scale_from_amax=from_amax)
+            return Float8Tensor(data, scale_inv, x.dtype, data_t)
+        if not self.delayed:
+            if amax is None:
+                amax = x.detach().abs().amax()
+            return quantize_torch(x, self.fp8_dtype, current_scale(amax, self.fp8_dtype), None, transpose)
+        return quantize_torch(x, self.fp8_dtype, self.scale, self.amax, transpose)
+
+    def quantize_dbias(self, dy: torch.Tensor, *, transpose: bool,
+                       dbias: bool) -> tuple[Float8Tensor, Optional[torch.Tensor]]:
+        """Cast a gradient ``dy [M, N]`` and, with ``dbias``, return its column sums too:
+        ``(dy_fp8, dbias [N] in dy.dtype or None)``.
+
+        Kernels: ``cast_transpose_dbias`` (one pass writing both layouts and the fp32-accumulated column sums)
+        when ``dbias``, else ``cast_to_fp8``. Torch: :meth:`quantize` then ``dy.sum(0, dtype=float32)``; the two
+        bias gradients differ only in summation order."""
+        if dbias and use_kernels(dy):
+            from fp8engine.kernels.cast import cast_transpose_dbias
+
+            dy = dy.contiguous()
+            scale, amax_out, from_amax = self._kernel_args(dy)
+            data, data_t, scale_inv, db = cast_transpose_dbias(dy, scale, self.fp8_dtype, amax_out,
+                                                               scale_from_amax=from_amax)
+            return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
+        dy_fp8 = self.quantize(dy, transpose=transpose)
+        return dy_fp8, (dy.sum(0, dtype=torch.float32).to(dy.dtype) if dbias else None)
+
+    def __repr__(self) -> str:
+        return (f"Quantizer(role={self.role!r}, kind={self.kind!r}, fp8_dtype={self.fp8_dtype}, "
+                f"record_amax={self.record_amax})")
+
+
+class LinearQuantizers(NamedTuple):
+    """The three quantizers of one GEMM: fprop ``y = x @ w.T`` casts ``input`` and ``weight``; backward casts
+    ``grad_output`` (dgrad ``dx = dy @ w``, wgrad ``dw = dy.T @ x``)."""
+
+    input: Quantizer
+    weight: Quantizer
+    grad_output: Quantizer
+
+
+def _is_grad(role: str) -> bool:
+    return role.endswith("grad") or role.endswith("grad_output")
+
+
+def _build(state, recipe, record_amax: bool) -> tuple:
+    kind = recipe_kind(recipe)
+    fwd, bwd = fp8_dtype_of(recipe.fp8_format.fwd), fp8_dtype_of(recipe.fp8_format.bwd)
+    qs = []
+    for i, role in enumerate(state.roles):
+        grad = _is_grad(role)
+        if kind == "delayed":
+            amax = state.amax_history[i, 0:1] if (grad or record_amax) else None
+            qs.append(Quantizer(bwd if grad else fwd, kind, state.scale[i:i + 1], amax, role))
+        else:
+            qs.append(Quantizer(bwd if grad else fwd, kind, role=role))
+    return tuple(LinearQuantizers(*qs[i:i + 3]) for i in range(0, len(qs) - len(qs) % 3, 3))
+
+
+def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
+    """The :class:`LinearQuantizers` of ``state`` under the FP8 region ``ctx`` (an
+    :class:`~fp8engine.fp8.autocast.FP8Context`): one per GEMM, GEMM ``g`` using the state's rows ``3g .. 3g+2``
+    (``input, weight, grad_output``). Delayed scaling also sizes the amax history to the recipe's length and
+    registers ``state`` with ``ctx`` for the update at the region's exit.
+
+    Built once per (recipe, ``ctx.record_amax``) and cached on ``state``; rebuilt when the state's buffers were
+    replaced (``.to()``, a history resize), so the views always point at the live buffers.
+    Raises TypeError for a recipe without quantizers (:func:`recipe_kind`)."""
+    recipe = ctx.recipe
+    delayed = isinstance(recipe, DelayedScaling)
+    if delayed:
+        if state.amax_history.shape[1] != recipe.amax_history_len:
+            state.resize_history(recipe.amax_history_len)
+        ctx.register(state)
+    cache, record = state._quantizers, ctx.record_amax
+    # fast path, the steady state of training: the same recipe object as the last call (identity checks only;
+    # hashing the recipe dataclass hashes all its fields)
+    last = cache.get(None)
+    if (last is not None and last[0] is recipe and last[1] is record and last[2] is state.scale
+            and last[3] is state.amax_history):
+        return last[4]
+    key = (recipe, record)
+    hit = cache.get(key)
+    if hit is None or hit[0] is not state.scale or hit[1] is not state.amax_history:
+        if len(cache) >= _CACHE_SIZE:
+            cache.clear()
+        hit = (state.scale, state.amax_history, _build(state, recipe, record))
+        cache[key] = hit
+    cache[None] = (recipe, record, hit[0], hit[1], hit[2])
+    return hit[2]

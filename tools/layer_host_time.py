@@ -1,0 +1,133 @@
+"""What does one FP8 TransformerLayer forward + backward cost the host (CPU), and how many ops does it issue?
+(CUDA or CPU; a measurement tool)
+
+At the small layer shape ``[128, 1, 256]`` (ffn 1024, 4 heads) the GPU work is negligible, so a step's time is the
+host's: Python, autograd and the dispatcher. For the plain PyTorch bf16 block (``fp8engine.bench.layer.PlainBlock``),
+our TransformerLayer in bf16, and under FP8 delayed and current scaling, it prints per fwd+bwd step:
+
+- ``host ms``: median wall time of the step's issue (``time.perf_counter`` around forward + backward, the GPU
+  synchronised before the step and not inside it; on a CPU device this includes the CPU's math too);
+- ``aten ops``: ATen operators called from outside another ATen operator (torch.profiler, CPU activity): the ops
+  Python and autograd dispatch, each paying the dispatcher's host cost; ``aten ops (all)`` counts nested ones too;
+- ``launches`` (CUDA only): kernel launches seen by the profiler (runtime and driver API: ATen and Triton kernels).
+
+Usage: python tools/layer_host_time.py [--device cuda|cpu] [--steps 50] [--seq 128 --batch 1 --hidden 256
+--ffn 1024 --heads 4]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import fp8engine as fe
+from fp8engine.bench.layer import PlainBlock
+from fp8engine.bench.common import print_table
+
+_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def _parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per row, median reported (default 50 on CUDA, 2 on CPU, where FP8 GEMMs are slow)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=4)
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU visible")
+    if args.steps is None:
+        args.steps = 50 if args.device == "cuda" else 2
+    return args
+
+
+def _step(model, x, dy, recipe):
+    params = list(model.parameters())
+
+    def run():
+        x.grad = None
+        for prm in params:
+            prm.grad = None
+        if recipe is None:
+            y = model(x)
+        else:
+            with fe.autocast(recipe=recipe):
+                y = model(x)
+        y.backward(dy)
+    return run
+
+
+def _host_ms(run, steps: int, device: str) -> float:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    sync()
+    return statistics.median(times) * 1e3
+
+
+def _op_counts(run, device: str) -> dict:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.events()
+    aten = [e for e in events if e.name.startswith("aten::")]
+    top = [e for e in aten if not _has_aten_ancestor(e)]
+    out = {"aten ops": len(top), "aten ops (all)": len(aten)}
+    if device == "cuda":
+        out["launches"] = sum(e.name in _LAUNCH for e in events)
+    return out
+
+
+def _has_aten_ancestor(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def main():
+    args = _parse()
+    from fp8engine.modules.transformer import TransformerLayer
+
+    dev, dtype = args.device, torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(args.seq, args.batch, args.hidden, device=dev, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    plain = PlainBlock(args.hidden, args.ffn, args.heads, device=dev, dtype=dtype)
+    ours = TransformerLayer(args.hidden, args.ffn, args.heads, hidden_dropout=0.0, attention_dropout=0.0,
+                            params_dtype=dtype, device=dev)
+    cases = [("plain PyTorch block bf16", plain, None), ("TransformerLayer bf16", ours, None),
+             ("TransformerLayer fp8 delayed", ours, fe.DelayedScaling()),
+             ("TransformerLayer fp8 current", ours, fe.CurrentScaling())]
+    rows = []
+    for name, model, recipe in cases:
+        run = _step(model, x, dy, recipe)
+        for _ in range(3):  # warm-up: caches, the first scale update, Triton compilation on CUDA
+            run()
+        row = {"case": name, "host ms": _host_ms(run, args.steps, dev)}
+        row.update(_op_counts(run, dev))
+        rows.append(row)
+    base = rows[0]["host ms"]
+    for row in rows:
+        row["x plain"] = row["host ms"] / base
+    print(f"device {dev}, torch {torch.__version__}, layer [{args.seq}, {args.batch}, {args.hidden}], "
+          f"ffn {args.ffn}, heads {args.heads}; per fwd+bwd step")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
