@@ -17,7 +17,7 @@ from fp8engine.fp8.autocast import FP8Context
 from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize, quantize_current, use_kernels
 from fp8engine.fp8.state import ScalingState
-from fp8engine.recipe import DelayedScaling
+from fp8engine.recipe import DelayedScaling, check_per_tensor_recipe
 
 __all__ = ["FP8Plan", "begin_fp8", "cast_operand", "cast_grad", "use_kernels", "kernel_scale"]
 
@@ -44,6 +44,8 @@ def begin_fp8(state: ScalingState, ctx: FP8Context) -> FP8Plan:
         if state.amax_history.shape[1] != recipe.amax_history_len:
             state.resize_history(recipe.amax_history_len)
         ctx.register(state)
+    else:
+        check_per_tensor_recipe(recipe, "per-tensor FP8 cast (modules, parallel layers)")
     return _plan(recipe.fp8_format, delayed, ctx.record_amax)
 
 
