@@ -60,7 +60,7 @@ def _block_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """Scale(s) from amax(es), as in the module docstring (IEEE division, clamp, optional power of two)."""
     ok = (amax > 0.0) & (amax < float("inf"))
     s = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, tl.where(ok, amax, 1.0))
-    s = tl.minimum(s, 3.4028234663852886e38)
+    s = tl.minimum(s, 3.4028234663852886e38)  # _F32_MAX
     if POW2:
         s = (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     return tl.where(ok, s, 1.0)
@@ -97,7 +97,8 @@ def _block_cast_kernel(
         s_row = _block_scale(tl.max(a, axis=1), FP8_MAX, POW2)  # [BLOCK]: one scale per row of this tile
         b = _quantize(x, s_row[:, None], FP8_MAX, IS_E4M3, CVT)
         tl.store(out_ptr + rows[:, None] * K + cols[None, :], b, mask=mask)
-        tl.store(sinv_ptr + pid_k.to(tl.int64) * M + rows, tl.math.div_rn(tl.zeros_like(s_row) + 1.0, s_row), mask=offs_m < M)
+        sinv_row = tl.math.div_rn(tl.zeros_like(s_row) + 1.0, s_row)
+        tl.store(sinv_ptr + pid_k.to(tl.int64) * M + rows, sinv_row, mask=offs_m < M)  # column pid_k, M-major
         if WRITE_T:
             # re-tile: one scale per column of x over these 128 rows, i.e. per 1 x 128 tile of x^T
             s_col = _block_scale(tl.max(a, axis=0), FP8_MAX, POW2)

@@ -28,7 +28,8 @@ def _reference64(x: torch.Tensor, block, fp8_dtype, fp8_max):
         for j in range(sinv.shape[1]):
             tile = x64[i * r:(i + 1) * r, j * c:(j + 1) * c]
             amax = tile.abs().max()
-            scale = 2.0 ** torch.floor(torch.log2(fp8_max / amax)) if amax > 0 else torch.tensor(1.0, dtype=torch.float64)
+            one = torch.tensor(1.0, dtype=torch.float64)
+            scale = 2.0 ** torch.floor(torch.log2(fp8_max / amax)) if amax > 0 else one
             q = torch.clamp(tile * scale, -fp8_max, fp8_max).to(fp8_dtype).double()
             out[i * r:(i + 1) * r, j * c:(j + 1) * c] = q / scale
             sinv[i, j] = 1 / scale
