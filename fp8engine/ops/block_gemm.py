@@ -2,15 +2,20 @@
 
 Two paths with the same math, ``out[m, n] = sum_k (a.data[m, k] * a_scale_inv[m, k // 128]) *
 (b.data[n, k] * b_scale_inv[block of (n, k)])`` rounded once to ``out_dtype``:
-  * CUDA sm_90 with a torch that has ``torch.nn.functional.scaled_mm`` (torch >= 2.10): cuBLASLt's block-wise
+  * CUDA sm_90 with a torch that has ``torch.nn.functional.scaled_mm`` (torch >= 2.10), both operands E4M3:
+    cuBLASLt's block-wise
     scaled GEMM, ``scaled_mm(a, b^T, scale_a, ScalingType.BlockWise1x128, scale_b, BlockWise1x128 or
     BlockWise128x128, output_dtype=...)``. The GEMM accumulates in fp32 and applies each 128-wide K block's scales
     to the partial sums (DeepSeek-V3's promotion), so it differs from the emulation by fp32 summation rounding.
     ``torch._scaled_mm`` refuses these scale layouts; the layouts ``scaled_mm`` takes (torch 2.13's OpInfo samples
     in ``torch/testing/_internal/common_methods_invocations.py``, ``sample_inputs_scaled_mm_v2``): 1 x 128 scales of
     an ``[M, K]`` operand as ``[M, K/128]`` with strides ``(1, M)`` (our stored layout); 128 x 128 scales of an
-    ``[N, K]`` operand as the ``[N/128, round_up(K/128, 4)]`` row-major buffer passed transposed.
-  * elsewhere (CPU; other GPUs): an emulation that dequantizes both operands per block in float64 (exact) and
+    ``[N, K]`` operand as the ``[N/128, round_up(K/128, 4)]`` row-major buffer passed transposed (torch's
+    ``_scaled_block1x128_block128x128`` checks: shape ``[round_up(K/128, 4), N/128]``, strides ``(1,
+    round_up(K/128, 4))``). torch dispatches these recipes only when both operands are ``float8_e4m3fn``
+    (``check_deepseek_recipe`` in ``aten/src/ATen/cuda/CUDAScaledBlas.cpp``), so E5M2 gradients (the HYBRID
+    format) take the emulation below, also on the GPU (correct, much slower).
+  * elsewhere (CPU; other GPUs; E5M2 operands): an emulation that dequantizes both operands per block in float64 (exact) and
     multiplies in float64 (products of FP8 values with power-of-two scales are exact; the float64 sum is exact to
     ~2**-50 relative), then rounds once to ``out_dtype``.
 
@@ -38,14 +43,16 @@ def _hw_on(device_index: int) -> bool:
     F = torch.nn.functional
     if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
         return False
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+    # torch's _check_deepseek_support: Hopper (major 9) and cuBLASLt >= 12.9
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(device_index)[0] == 9 and cuda >= (12, 9)
 
 
-def hw_block_gemm_available(device: torch.device) -> bool:
-    """True when ``device`` is a CUDA sm_90 GPU and the installed torch has ``torch.nn.functional.scaled_mm``
-    (cached per device)."""
+def hw_block_gemm_available(device: torch.device, *fp8_dtypes: torch.dtype) -> bool:
+    """True when ``device`` is a CUDA sm_90 GPU, torch was built with CUDA >= 12.9 and has ``torch.nn.functional.scaled_mm`` (cached
+    per device), and every dtype in ``fp8_dtypes`` (the operands', if given) is ``torch.float8_e4m3fn``."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or any(d != torch.float8_e4m3fn for d in fp8_dtypes):
         return False
     return _hw_on(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -104,17 +111,19 @@ def block_gemm(a: Float8BlockTensor, b: Float8BlockTensor, out_dtype: torch.dtyp
     Args:
         a, b: :class:`Float8BlockTensor` operands, both K-last (``b`` is the weight ``[N, K]`` in fprop).
         out_dtype: ``torch.bfloat16`` or ``torch.float32``.
-        use_hw: force (True) or forbid (False) the cuBLASLt path; default: :func:`hw_block_gemm_available`.
+        use_hw: force (True) or forbid (False) the cuBLASLt path; default: :func:`hw_block_gemm_available` for
+            this device and the operands' dtypes.
     Raises:
         TypeError: operands not Float8BlockTensor, or another ``out_dtype``. ValueError: ``a`` not 1 x 128, K
         mismatch, K (or N for a 128 x 128 ``b``) not a multiple of 128, operands on different devices.
-        RuntimeError: ``use_hw=True`` where the hardware path is not available.
+        RuntimeError: ``use_hw=True`` where the hardware path is not available (device, torch, E5M2 operand).
     """
     _check(a, b, out_dtype)
-    hw = hw_block_gemm_available(a.data.device)
+    hw = hw_block_gemm_available(a.data.device, a.fp8_dtype, b.fp8_dtype)
     if use_hw and not hw:
-        raise RuntimeError("block_gemm(use_hw=True) needs a CUDA sm_90 GPU and torch.nn.functional.scaled_mm "
-                           f"(torch >= 2.10); have {a.data.device}, torch {torch.__version__}")
+        raise RuntimeError("block_gemm(use_hw=True) needs a CUDA sm_90 GPU, torch.nn.functional.scaled_mm "
+                           f"(torch >= 2.10) and E4M3 operands; have {a.data.device}, torch {torch.__version__}, "
+                           f"{a.fp8_dtype} x {b.fp8_dtype}")
     if hw and use_hw is not False:
         return _scaled_mm(a, b, out_dtype)
     return (a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()).to(out_dtype)
