@@ -146,8 +146,9 @@ class Float8BlockScaling:
     Args:
         fp8_format: ``Format.E4M3`` (default, E4M3 everywhere, as DeepSeek-V3 and TransformerEngine's default) or
             ``Format.HYBRID`` (E5M2 gradients; torch's sm_90 block-wise GEMM takes E4M3 operands only, so with
-            HYBRID the dgrad / wgrad GEMMs run ``ops/block_gemm.py``'s emulation, slowly). ``Format.E5M2`` is refused: per-block scales already give each
-            block the range it needs, so E5M2's extra range would only cost mantissa bits in the forward pass
+            HYBRID the dgrad / wgrad GEMMs run ``ops/block_gemm.py``'s emulation, slowly). ``Format.E5M2`` is
+            refused: per-block scales already give each block the range it needs, so E5M2's extra range would only
+            cost mantissa bits in the forward pass
             (TransformerEngine refuses it too).
         power_2_scale: round every block scale down to a power of two (default True). Then ``x * scale`` and
             ``fp8 * scale_inv`` only shift exponents: ``scale_inv = 1 / scale`` is exact, dequantization is exact
