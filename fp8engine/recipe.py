@@ -148,14 +148,14 @@ class Float8BlockScaling:
             ``Format.HYBRID`` (E5M2 gradients; torch's sm_90 block-wise GEMM takes E4M3 operands only, so with
             HYBRID the dgrad / wgrad GEMMs run ``ops/block_gemm.py``'s emulation, slowly). ``Format.E5M2`` is
             refused: per-block scales already give each block the range it needs, so E5M2's extra range would only
-            cost mantissa bits in the forward pass
-            (TransformerEngine refuses it too).
+            cost mantissa bits in the forward pass (TransformerEngine refuses it too).
         power_2_scale: round every block scale down to a power of two (default True). Then ``x * scale`` and
             ``fp8 * scale_inv`` only shift exponents: ``scale_inv = 1 / scale`` is exact, dequantization is exact
             (no second rounding), the scale survives any transpose / re-layout unchanged, and the GEMM's
             per-block rescale in the accumulator adds no error. The price is at most one binade of unused range
-            (the largest block value lands in (fp8_max/2, fp8_max]). DeepSeek-V3 and TransformerEngine's
-            ``Float8BlockScaling`` (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` unset) use power-of-two scales.
+            (the largest block value lands in (fp8_max/2, fp8_max]). TransformerEngine's ``Float8BlockScaling``
+            uses power-of-two scales unless ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` is set; DeepSeek-V3 restricts
+            activation scales to integral powers of 2 where they are re-used (arXiv:2412.19437 §3.3).
 
     Raises:
         ValueError: ``fp8_format`` is not E4M3 / HYBRID, or ``power_2_scale`` is not a bool.

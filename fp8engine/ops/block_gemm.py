@@ -16,8 +16,8 @@ Two paths with the same math, ``out[m, n] = sum_k (a.data[m, k] * a_scale_inv[m,
     (``check_deepseek_recipe`` in ``aten/src/ATen/cuda/CUDAScaledBlas.cpp``), so E5M2 gradients (the HYBRID
     format) take the emulation below, also on the GPU (correct, much slower).
   * elsewhere (CPU; other GPUs; E5M2 operands): an emulation that dequantizes both operands per block in float64
-    (exact) and multiplies in float64 (products of FP8 values with power-of-two scales are exact; the float64 sum is exact to
-    ~2**-50 relative), then rounds once to ``out_dtype``.
+    (exact) and multiplies in float64 (products of FP8 values with power-of-two scales are exact; the float64 sum
+    is exact to ~2**-50 relative), then rounds once to ``out_dtype``.
 
 Shapes: ``a`` ``[M, K]`` with 1 x 128 tiles; ``b`` ``[N, K]`` with 1 x 128 tiles (wgrad: ``dy^T`` x ``x^T`` re-tiled
 along the token dim) or 128 x 128 blocks (fprop / dgrad: the weight or its transpose). K and, for 128 x 128 ``b``,
@@ -50,7 +50,8 @@ def _hw_on(device_index: int) -> bool:
 
 def hw_block_gemm_available(device: torch.device, *fp8_dtypes: torch.dtype) -> bool:
     """True when ``device`` is a CUDA sm_90 GPU, torch was built with CUDA >= 12.9 and has
-    ``torch.nn.functional.scaled_mm`` (cached per device), and every dtype in ``fp8_dtypes`` (the operands', if given) is ``torch.float8_e4m3fn``."""
+    ``torch.nn.functional.scaled_mm`` (cached per device), and every dtype in ``fp8_dtypes`` (the operands', if
+    given) is ``torch.float8_e4m3fn``."""
     device = torch.device(device)
     if device.type != "cuda" or any(d != torch.float8_e4m3fn for d in fp8_dtypes):
         return False
