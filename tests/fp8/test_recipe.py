@@ -85,8 +85,9 @@ def test_autocast_accepts_block_scaling_and_modules_refuse_it():
     from fp8engine.parallel.layers import ColumnParallelLinear
 
     recipe = Float8BlockScaling()
-    x = torch.randn(4, 32)
+    x = torch.randn(4, 2, 32)  # [s, b, h]
     layers = [fp8engine.Linear(32, 32), fp8engine.LayerNormMLP(32, 64),
+              fp8engine.TransformerLayer(32, 64, 2, hidden_dropout=0.0, attention_dropout=0.0),
               ColumnParallelLinear(32, 32, tp_group=None)]
     with fp8engine.fp8_autocast(enabled=True, fp8_recipe=recipe):
         assert get_fp8_recipe() is recipe
