@@ -9,7 +9,7 @@ without torch installed.
 """
 from importlib import import_module
 
-from fp8engine.recipe import CurrentScaling, DelayedScaling, Format
+from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Format
 
 __version__ = "0.1.0"
 
@@ -26,7 +26,7 @@ _LAZY = {
     "MultiheadAttention": "fp8engine.modules.attention", "TransformerLayer": "fp8engine.modules.transformer",
 }
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", *_LAZY]
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8BlockScaling", *_LAZY]
 
 
 def __getattr__(name):

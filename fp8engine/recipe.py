@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, ClassVar, Union
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Recipe", "FP8_MAX", "AMAX_COMPUTE_ALGOS"]
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8BlockScaling", "Recipe", "FP8_MAX",
+           "AMAX_COMPUTE_ALGOS", "check_per_tensor_recipe"]
 
 #: Largest finite magnitude of each FP8 encoding (OCP FP8 spec, "FP8 Formats for Deep Learning",
 #: Micikevicius et al. 2022): E4M3 saturates at 448, E5M2 at 57344.
@@ -128,4 +129,70 @@ class CurrentScaling:
         _check_format(self.fp8_format)
 
 
-Recipe = Union[DelayedScaling, CurrentScaling]
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """Block-scaled FP8 (TransformerEngine's ``Float8BlockScaling``; the DeepSeek-V3 recipe, arXiv:2412.19437 §3.3).
+
+    Every cast is "just in time" like :class:`CurrentScaling`, but the amax, and so the scale, is taken per block
+    of ``BLOCK_SIZE`` = 128 elements instead of per tensor, so one outlier only coarsens its own block:
+      * activations (the GEMM input) and gradients: 1 x 128 tiles, one scale per row per 128 consecutive
+        elements of the last (contraction) dimension: ``scale_inv`` is ``[M, K/128]``;
+      * weights: 128 x 128 blocks: ``scale_inv`` is ``[N/128, K/128]`` for an ``[N, K]`` weight.
+    Per block: ``scale = fp8_max / amax(block)`` (1 where the amax is 0 or not finite), rounded down to a power of
+    two when ``power_2_scale``; ``fp8 = saturate(x * scale)``, ``x ~= fp8 * scale_inv``, ``scale_inv = 1 / scale``.
+    Layouts and kernels: :mod:`fp8engine.fp8.block_tensor`, :mod:`fp8engine.kernels.block_cast`; the GEMM:
+    :mod:`fp8engine.ops.block_gemm`.
+
+    Args:
+        fp8_format: ``Format.E4M3`` (default, E4M3 everywhere, as DeepSeek-V3 and TransformerEngine's default) or
+            ``Format.HYBRID`` (E5M2 gradients; torch's sm_90 block-wise GEMM takes E4M3 operands only, so with
+            HYBRID the dgrad / wgrad GEMMs run ``ops/block_gemm.py``'s emulation, slowly). ``Format.E5M2`` is
+            refused: per-block scales already give each block the range it needs, so E5M2's extra range would only
+            cost mantissa bits in the forward pass (TransformerEngine refuses it too).
+        power_2_scale: round every block scale down to a power of two (default True). Then ``x * scale`` and
+            ``fp8 * scale_inv`` only shift exponents: ``scale_inv = 1 / scale`` is exact, dequantization is exact
+            (no second rounding), the scale survives any transpose / re-layout unchanged, and the GEMM's
+            per-block rescale in the accumulator adds no error. The price is at most one binade of unused range
+            (the largest block value lands in (fp8_max/2, fp8_max]). TransformerEngine's ``Float8BlockScaling``
+            uses power-of-two scales unless ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` is set; DeepSeek-V3 restricts
+            activation scales to integral powers of 2 where they are re-used (arXiv:2412.19437 §3.3).
+
+    Raises:
+        ValueError: ``fp8_format`` is not E4M3 / HYBRID, or ``power_2_scale`` is not a bool.
+    """
+
+    #: Elements per tile (1 x 128) and per block side (128 x 128); fixed by the hardware GEMM's block scaling.
+    BLOCK_SIZE: ClassVar[int] = 128
+
+    fp8_format: Format = Format.E4M3
+    power_2_scale: bool = True
+
+    def __post_init__(self) -> None:
+        _check_format(self.fp8_format)
+        if self.fp8_format is Format.E5M2:
+            raise ValueError(
+                "Float8BlockScaling.fp8_format=Format.E5M2 is not supported (block scales already give each block "
+                "its range; E5M2 only loses precision); use Format.E4M3 or Format.HYBRID (E5M2 gradients)"
+            )
+        if not isinstance(self.power_2_scale, bool):
+            raise ValueError(f"Float8BlockScaling.power_2_scale must be True or False; got {self.power_2_scale!r}")
+
+
+Recipe = Union[DelayedScaling, CurrentScaling, Float8BlockScaling]
+
+
+def check_per_tensor_recipe(recipe, where: str) -> None:
+    """Refuse a recipe that a per-tensor-scaled op cannot honour, instead of silently scaling per tensor.
+
+    Args:
+        recipe: the active recipe. where: the module / op name for the message.
+    Raises:
+        NotImplementedError: ``recipe`` is a :class:`Float8BlockScaling` (these modules scale per tensor; the
+            block-scaled path is ``fp8engine.ops.block_linear.block_linear``).
+    """
+    if isinstance(recipe, Float8BlockScaling):
+        raise NotImplementedError(
+            f"{where}: Float8BlockScaling is not supported by the per-tensor FP8 modules and parallel layers yet; "
+            "use fp8engine.ops.block_linear.block_linear(x, weight, bias) for a block-scaled FP8 linear, or "
+            "DelayedScaling / CurrentScaling here"
+        )

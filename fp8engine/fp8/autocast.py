@@ -13,7 +13,7 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fp8engine.recipe import CurrentScaling, DelayedScaling
+from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling
 
 __all__ = ["autocast", "fp8_autocast", "get_fp8_recipe", "get_fp8_context", "FP8Context", "recompute_context"]
 
@@ -69,7 +69,9 @@ def autocast(enabled: bool = True, recipe=None, amax_group=None):
 
     Args:
         enabled: False opens a region where FP8 is off (inside an enabled one too); nesting restores the outer.
-        recipe: :class:`fp8engine.recipe.DelayedScaling` or :class:`fp8engine.recipe.CurrentScaling`.
+        recipe: :class:`fp8engine.recipe.DelayedScaling`, :class:`fp8engine.recipe.CurrentScaling` or
+            :class:`fp8engine.recipe.Float8BlockScaling` (the per-tensor modules refuse the last at their first
+            forward; see :func:`fp8engine.recipe.check_per_tensor_recipe`).
         amax_group: a ``torch.distributed`` process group across which amaxes are MAX-reduced before the scale
             update (``DelayedScaling.reduce_amax``); usually the data-parallel (or dp x tp) group.
     Raises:
@@ -77,8 +79,9 @@ def autocast(enabled: bool = True, recipe=None, amax_group=None):
     """
     if recipe is None:
         recipe = DelayedScaling()
-    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-        raise TypeError(f"recipe must be fp8engine.recipe.DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
+    if not isinstance(recipe, (DelayedScaling, CurrentScaling, Float8BlockScaling)):
+        raise TypeError("recipe must be fp8engine.recipe.DelayedScaling, CurrentScaling or Float8BlockScaling, "
+                        f"got {type(recipe).__name__}")
     ctx = FP8Context(recipe, amax_group) if enabled else None
     token = _FP8_CONTEXT.set(ctx)
     try:

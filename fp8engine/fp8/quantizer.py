@@ -24,7 +24,7 @@ import torch
 
 from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize_torch, use_kernels
-from fp8engine.recipe import CurrentScaling, DelayedScaling
+from fp8engine.recipe import CurrentScaling, DelayedScaling, check_per_tensor_recipe
 
 __all__ = ["Quantizer", "LinearQuantizers", "get_quantizers", "recipe_kind"]
 
@@ -33,11 +33,14 @@ _CACHE_SIZE = 8
 
 
 def recipe_kind(recipe) -> str:
-    """``"delayed"`` or ``"current"`` for a recipe object; ``TypeError`` for any other."""
+    """``"delayed"`` or ``"current"`` for a recipe object; ``NotImplementedError`` for
+    :class:`~fp8engine.recipe.Float8BlockScaling` (:func:`~fp8engine.recipe.check_per_tensor_recipe`), ``TypeError``
+    for any other."""
     if isinstance(recipe, DelayedScaling):
         return "delayed"
     if isinstance(recipe, CurrentScaling):
         return "current"
+    check_per_tensor_recipe(recipe, "per-tensor FP8 quantizer (modules, parallel layers)")
     raise TypeError(f"no FP8 quantizer for recipe {type(recipe).__name__}; use DelayedScaling or CurrentScaling")
 
 

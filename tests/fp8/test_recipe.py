@@ -1,6 +1,6 @@
 import pytest
 
-from fp8engine.recipe import CurrentScaling, DelayedScaling, Format
+from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Format, check_per_tensor_recipe
 
 
 def test_defaults_match_transformer_engine():
@@ -42,3 +42,56 @@ def test_recipe_module_does_not_import_torch():
             "m = importlib.util.module_from_spec(spec); sys.modules['r'] = m; spec.loader.exec_module(m);"
             "assert 'torch' not in sys.modules, 'recipe imported torch'")
     subprocess.run([sys.executable, "-c", code, recipe_module.__file__], check=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Float8BlockScaling
+# ---------------------------------------------------------------------------------------------------------------
+def test_block_scaling_defaults_and_export():
+    import fp8engine
+
+    r = Float8BlockScaling()
+    assert (r.fp8_format, r.power_2_scale, Float8BlockScaling.BLOCK_SIZE) == (Format.E4M3, True, 128)
+    assert fp8engine.Float8BlockScaling is Float8BlockScaling and "Float8BlockScaling" in fp8engine.__all__
+    assert Float8BlockScaling(Format.HYBRID).fp8_format.bwd == "e5m2"
+    with pytest.raises(Exception):
+        r.power_2_scale = False  # frozen dataclass
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"fp8_format": Format.E5M2}, "E5M2 is not supported"),
+    ({"fp8_format": "e4m3"}, "fp8_format"),
+    ({"power_2_scale": 1}, "power_2_scale"),
+])
+def test_block_scaling_invalid_fields(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Float8BlockScaling(**kwargs)
+
+
+def test_check_per_tensor_recipe():
+    check_per_tensor_recipe(DelayedScaling(), "x")
+    check_per_tensor_recipe(CurrentScaling(), "x")
+    with pytest.raises(NotImplementedError, match="block_linear"):
+        check_per_tensor_recipe(Float8BlockScaling(), "Linear")
+
+
+def test_autocast_accepts_block_scaling_and_modules_refuse_it():
+    """fp8_autocast takes the recipe; the per-tensor modules and parallel layers refuse it at their first FP8
+    forward with an error naming the block op, never silently scaling per tensor."""
+    import torch
+
+    import fp8engine
+    from fp8engine.fp8.autocast import get_fp8_recipe
+    from fp8engine.parallel.layers import ColumnParallelLinear
+
+    recipe = Float8BlockScaling()
+    x = torch.randn(4, 2, 32)  # [s, b, h]
+    layers = [fp8engine.Linear(32, 32), fp8engine.LayerNormMLP(32, 64),
+              fp8engine.TransformerLayer(32, 64, 2, hidden_dropout=0.0, attention_dropout=0.0),
+              ColumnParallelLinear(32, 32, tp_group=None)]
+    with fp8engine.fp8_autocast(enabled=True, fp8_recipe=recipe):
+        assert get_fp8_recipe() is recipe
+        for layer in layers:
+            with pytest.raises(NotImplementedError, match="Float8BlockScaling.*block_linear"):
+                layer(x)
+    assert torch.isfinite(layers[0](x)).all()  # outside the region: plain high precision

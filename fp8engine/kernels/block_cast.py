@@ -1,0 +1,238 @@
+"""Block-scaled FP8 casts: 1 x 128 tiles (activations, gradients) and 128 x 128 blocks (weights), scales computed
+just in time from each tile's own amax (the ``Float8BlockScaling`` recipe; DeepSeek-V3, arXiv:2412.19437 §3.3).
+
+Per tile / block (``BLOCK`` = 128):
+    amax  = max |x| over the tile (a NaN counts as +inf; partial edge tiles reduce over the elements that exist)
+    scale = fp8_max / amax, IEEE fp32 division, clamped to the largest finite fp32; 1 where amax is 0 or not finite
+    scale = 2**floor(log2(scale)) if power_2_scale (exponent bits kept, mantissa cleared: exact)
+    data  = saturate(x.float() * scale).to(fp8), nearest even;  scale_inv = 1 / scale (IEEE division)
+Multiply by ``scale`` to go into the FP8 range; ``scale_inv`` dequantizes: ``x ~= data * scale_inv`` per tile.
+
+Inputs ``x``: bf16 / fp16 / fp32, contiguous, any leading shape viewed as ``[M, K]`` (K the last dim). Outputs and
+their layouts (the ones ``torch.nn.functional.scaled_mm``'s block-wise recipes take, see ``ops/block_gemm.py``):
+  * ``cast_1x128``: ``data`` [M, K] (x's shape); ``scale_inv`` fp32 of logical shape ``[M, ceil(K/128)]``, stored
+    M-major ("outer-dim-major"): a ``[ceil(K/128), M]`` contiguous buffer seen through ``.t()``, strides ``(1, M)``.
+    With ``transpose=True`` also the RE-TILED transpose: ``data_t`` [K, M] whose 1 x 128 tiles run along M (scale
+    per column of x per 128 rows, from the high-precision x; the tiles of ``data`` do not transpose), and
+    ``scale_inv_t`` of logical shape ``[K, ceil(M/128)]``, strides ``(1, K)``.
+  * ``cast_128x128``: ``data`` [M, K]; ``scale_inv`` ``[ceil(M/128), ceil(K/128)]`` fp32, row-major. 128 x 128
+    blocks DO transpose: with ``transpose=True``, ``data_t`` [K, M] is the byte transpose and ``scale_inv_t`` =
+    ``scale_inv.t()`` (contiguous).
+Dims need not be multiples of 128 here (edge tiles are partial); the GEMMs require them (``ops/block_gemm.py``).
+
+Layers: ``@triton.jit`` kernel ``_block_cast_kernel`` -> launchers ``cast_1x128`` / ``cast_128x128`` (checks,
+grid) and the plain-PyTorch ``cast_1x128_reference`` / ``cast_128x128_reference``, same signatures, same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import (
+    FP8_FORMATS,
+    _masked_abs,
+    _quantize,
+    as_2d,
+    check_hp,
+    check_launchable,
+    fp8_cvt_mode,
+    fp8_format,
+    tl,
+    triton,
+)
+
+__all__ = ["BLOCK", "cast_1x128", "cast_1x128_reference", "cast_128x128", "cast_128x128_reference",
+           "block_scale_reference"]
+
+#: Tile length of 1 x 128 tiles and side of 128 x 128 blocks (Float8BlockScaling.BLOCK_SIZE; the sm_90 block-wise
+#: GEMM's granularity). Each program handles one 128 x 128 tile of x: its rows give 128 1 x 128 scales, its columns
+#: the re-tiled transposed scales, the whole tile one 128 x 128 scale.
+BLOCK = 128
+#: Warps per 128 x 128 tile program: 8 (256 threads, 64 fp32 values of the tile per thread). Not tuned yet.
+BLOCK_WARPS = 8
+#: Largest finite fp32: the scale's clamp where fp8_max / amax overflows (amax a tiny subnormal).
+_F32_MAX = 3.4028234663852886e38
+_MODE_1X128, _MODE_128X128 = 1, 2
+
+
+@triton.jit
+def _block_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """Scale(s) from amax(es), as in the module docstring (IEEE division, clamp, optional power of two)."""
+    ok = (amax > 0.0) & (amax < float("inf"))
+    s = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, tl.where(ok, amax, 1.0))
+    s = tl.minimum(s, 3.4028234663852886e38)  # _F32_MAX
+    if POW2:
+        s = (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(ok, s, 1.0)
+
+
+@triton.jit
+def _block_cast_kernel(
+    x_ptr,  # [M, K] input, high precision, row-major
+    out_ptr,  # [M, K] FP8 bits (uint8)
+    sinv_ptr,  # MODE 1: [cdiv(K,128), M] fp32 (M-major storage of the [M, K/128] scale_inv);
+    #            MODE 2: [cdiv(M,128), cdiv(K,128)] fp32 row-major
+    out_t_ptr,  # [K, M] FP8 bits (uint8) of the (re-tiled in MODE 1) transpose; only if WRITE_T
+    sinv_t_ptr,  # MODE 1 and WRITE_T: [cdiv(M,128), K] fp32 (K-major storage of the [K, M/128] scale_inv_t)
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    CVT: tl.constexpr,
+    POW2: tl.constexpr,
+    MODE: tl.constexpr,  # 1: 1 x 128 tiles along K; 2: 128 x 128 blocks
+    WRITE_T: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
+    rows = offs_m.to(tl.int64)
+    cols = offs_k.to(tl.int64)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = _masked_abs(x, mask)
+    if MODE == 1:
+        s_row = _block_scale(tl.max(a, axis=1), FP8_MAX, POW2)  # [BLOCK]: one scale per row of this tile
+        b = _quantize(x, s_row[:, None], FP8_MAX, IS_E4M3, CVT)
+        tl.store(out_ptr + rows[:, None] * K + cols[None, :], b, mask=mask)
+        sinv_row = tl.math.div_rn(tl.zeros_like(s_row) + 1.0, s_row)
+        tl.store(sinv_ptr + pid_k.to(tl.int64) * M + rows, sinv_row, mask=offs_m < M)  # column pid_k, M-major
+        if WRITE_T:
+            # re-tile: one scale per column of x over these 128 rows, i.e. per 1 x 128 tile of x^T
+            s_col = _block_scale(tl.max(a, axis=0), FP8_MAX, POW2)
+            bt = _quantize(x, s_col[None, :], FP8_MAX, IS_E4M3, CVT)
+            mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
+            tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(bt), mask=mask_t)
+            tl.store(sinv_t_ptr + pid_m.to(tl.int64) * K + cols,
+                     tl.math.div_rn(tl.zeros_like(s_col) + 1.0, s_col), mask=offs_k < K)
+    else:
+        s = _block_scale(tl.max(tl.max(a, axis=1), axis=0), FP8_MAX, POW2)
+        b = _quantize(x, s, FP8_MAX, IS_E4M3, CVT)
+        tl.store(out_ptr + rows[:, None] * K + cols[None, :], b, mask=mask)
+        if WRITE_T:
+            mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
+            tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(b), mask=mask_t)
+        tl.store(sinv_ptr + pid_m.to(tl.int64) * tl.cdiv(K, BLOCK) + pid_k, tl.math.div_rn(1.0, s))
+
+
+def _check(x: torch.Tensor, fp8_dtype: torch.dtype, op: str) -> tuple[float, bool]:
+    check_launchable(x, op)
+    check_hp(x, "x", op)
+    return fp8_format(fp8_dtype, op)
+
+
+def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: bool, transpose: bool, mode: int, op: str):
+    fp8_max, is_e4m3 = _check(x, fp8_dtype, op)
+    x2 = as_2d(x)
+    m, k = x2.shape
+    mb, kb = triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK)
+    dev = x.device
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+    if mode == _MODE_1X128:
+        sinv_buf = torch.empty((kb, m), dtype=torch.float32, device=dev)
+    else:
+        sinv_buf = torch.empty((mb, kb), dtype=torch.float32, device=dev)
+    data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev) if transpose else None
+    sinv_t_buf = torch.empty((mb, k), dtype=torch.float32, device=dev) if transpose and mode == _MODE_1X128 else None
+    if m and k:
+        u8 = data.view(torch.uint8)
+        _block_cast_kernel[(mb, kb)](
+            x2, u8, sinv_buf, data_t.view(torch.uint8) if transpose else u8,
+            sinv_t_buf if sinv_t_buf is not None else sinv_buf, m, k,
+            FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=True), POW2=bool(power_2_scale),
+            MODE=mode, WRITE_T=transpose, BLOCK=BLOCK, num_warps=BLOCK_WARPS)
+    if mode == _MODE_1X128:
+        return data, sinv_buf.t(), data_t, (sinv_t_buf.t() if transpose else None)
+    return data, sinv_buf, data_t, (sinv_buf.t().contiguous() if transpose else None)
+
+
+def cast_1x128(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool = True, transpose: bool = False):
+    """Cast ``x`` ([*, K] viewed as [M, K]) to FP8 with one scale per row per 128 columns (1 x 128 tiles).
+
+    Returns:
+        ``(data, scale_inv, data_t, scale_inv_t)``: ``data`` FP8 of x's shape; ``scale_inv`` fp32
+        ``[M, ceil(K/128)]`` with strides ``(1, M)``; with ``transpose``: ``data_t`` ``[K, M]`` FP8 re-tiled along
+        M and ``scale_inv_t`` fp32 ``[K, ceil(M/128)]`` with strides ``(1, K)``; else both None.
+    Raises:
+        TypeError: x not bf16/fp16/fp32, or fp8_dtype not an FP8 dtype. ValueError: x non-contiguous or 0-d, or
+        not launchable on its device (use :func:`cast_1x128_reference`). RuntimeError: Triton missing.
+    """
+    return _launch(x, fp8_dtype, power_2_scale, transpose, _MODE_1X128, "cast_1x128")
+
+
+def cast_128x128(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool = True, transpose: bool = False):
+    """Cast ``x`` ([*, K] viewed as [M, K]; a weight [N, K]) to FP8 with one scale per 128 x 128 block.
+
+    Returns:
+        ``(data, scale_inv, data_t, scale_inv_t)``: ``data`` FP8 of x's shape; ``scale_inv`` fp32
+        ``[ceil(M/128), ceil(K/128)]`` row-major; with ``transpose``: ``data_t`` ``[K, M]`` (the byte transpose)
+        and ``scale_inv_t = scale_inv.t()`` contiguous; else both None.
+    Raises:
+        as :func:`cast_1x128`.
+    """
+    return _launch(x, fp8_dtype, power_2_scale, transpose, _MODE_128X128, "cast_128x128")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plain-PyTorch references
+# ----------------------------------------------------------------------------------------------------------------
+def block_scale_reference(amax: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: bool) -> torch.Tensor:
+    """fp32 scales from fp32 amaxes (any shape), the kernels' rule (module docstring)."""
+    fp8_max = FP8_FORMATS[fp8_dtype][0]
+    amax = amax.float()
+    ok = (amax > 0) & torch.isfinite(amax)
+    s = torch.full_like(amax, fp8_max) / torch.where(ok, amax, torch.ones_like(amax))
+    s = torch.clamp(s, max=_F32_MAX)
+    if power_2_scale:
+        s = (s.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return torch.where(ok, s, torch.ones_like(s))
+
+
+def _tile_amax(x2: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[ceil(M/rows), ceil(K/cols)] amax of each rows x cols tile of x2 (zero padding, NaN as +inf)."""
+    m, k = x2.shape
+    mb, kb = -(-m // rows), -(-k // cols)
+    a = x2.float().abs()
+    a = torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
+    a = torch.nn.functional.pad(a, (0, kb * cols - k, 0, mb * rows - m))
+    return a.reshape(mb, rows, kb, cols).amax(dim=(1, 3))
+
+
+def _quantize_tiles(x2: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, fp8_dtype) -> torch.Tensor:
+    """saturate(x * scale of its tile).to(fp8); ``scale`` [ceil(M/rows), ceil(K/cols)]."""
+    m, k = x2.shape
+    fp8_max = FP8_FORMATS[fp8_dtype][0]
+    full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:m, :k]
+    return torch.clamp(x2.float() * full, -fp8_max, fp8_max).to(fp8_dtype)
+
+
+def _reference(x: torch.Tensor, fp8_dtype, power_2_scale: bool, transpose: bool, rows: int):
+    if fp8_dtype not in FP8_FORMATS:
+        raise TypeError(f"fp8_dtype {fp8_dtype} not supported; use torch.float8_e4m3fn or torch.float8_e5m2")
+    x2 = as_2d(x)
+    m, k = x2.shape
+    scale = block_scale_reference(_tile_amax(x2, rows, BLOCK), fp8_dtype, power_2_scale)
+    data = _quantize_tiles(x2, scale, rows, BLOCK, fp8_dtype).reshape(x.shape)
+    sinv = torch.reciprocal(scale)
+    if not transpose:
+        return data, (sinv.t().contiguous().t() if rows == 1 else sinv), None, None
+    if rows == 1:
+        xt = x2.t()
+        scale_t = block_scale_reference(_tile_amax(xt, 1, BLOCK), fp8_dtype, power_2_scale)
+        data_t = _quantize_tiles(xt, scale_t, 1, BLOCK, fp8_dtype).contiguous()
+        return data, sinv.t().contiguous().t(), data_t, torch.reciprocal(scale_t).t().contiguous().t()
+    return data, sinv, data.reshape(m, k).t().contiguous(), sinv.t().contiguous()
+
+
+def cast_1x128_reference(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool = True,
+                         transpose: bool = False):
+    """Plain-PyTorch :func:`cast_1x128` (same outputs, bits and scale layouts)."""
+    return _reference(x, fp8_dtype, power_2_scale, transpose, 1)
+
+
+def cast_128x128_reference(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool = True,
+                           transpose: bool = False):
+    """Plain-PyTorch :func:`cast_128x128` (same outputs, bits and scale layouts)."""
+    return _reference(x, fp8_dtype, power_2_scale, transpose, BLOCK)
