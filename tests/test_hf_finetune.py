@@ -33,6 +33,7 @@ def test_bad_flags_one_line_exit_2(argv, phrase):
     assert len(proc.stderr.strip().splitlines()) == 1 and phrase in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-tiny", "gpt2-tiny"])
 def test_fp8_steps_on_cpu(model, tmp_path):
     data = tmp_path / "text.txt"

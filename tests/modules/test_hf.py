@@ -38,6 +38,7 @@ def _train(model, fp8, steps=STEPS):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fp8_training_tracks_fp32(name):
     ref = _train(MODELS[name](), fp8=False)
