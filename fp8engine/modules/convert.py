@@ -64,7 +64,7 @@ def _conv1d_type() -> Optional[type]:
     return Conv1D
 
 
-def _dims(sub: nn.Module, conv1d: Optional[type]) -> tuple[int, int]:
+def _dims(sub: nn.Module) -> tuple[int, int]:
     if type(sub) is nn.Linear:
         return sub.in_features, sub.out_features
     return sub.weight.shape[0], sub.weight.shape[1]  # Conv1D: weight [in, out]
@@ -125,7 +125,7 @@ def convert_to_fp8(module: nn.Module, module_filter_fn: Optional[Callable[[nn.Mo
             if not (default_module_filter_fn if default else module_filter_fn)(sub, sub_fqn):
                 report.kept.append((sub_fqn, KEEP_OUTPUT if default else KEEP_FILTER))
                 continue
-            k, n = _dims(sub, conv1d)
+            k, n = _dims(sub)
             if k % 16 or n % 16:
                 report.kept.append((sub_fqn, KEEP_DIMS))
                 continue
