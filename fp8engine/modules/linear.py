@@ -11,7 +11,18 @@ from fp8engine.modules.base import FP8Module
 from fp8engine.ops.init import default_init
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear, linear_main_grad
 
-__all__ = ["Linear", "default_init"]
+__all__ = ["Linear", "default_init", "autocast_input"]
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` cast to ``torch.autocast``'s dtype when autocast is on for its device and ``x`` is another floating
+    dtype (e.g. an fp32 norm output in a ``transformers`` model under ``torch.autocast(dtype=torch.bfloat16)``),
+    as ``torch.nn.functional.linear`` would; else ``x`` itself."""
+    device_type = x.device.type
+    if not x.is_floating_point() or not torch.is_autocast_enabled(device_type):
+        return x
+    dtype = torch.get_autocast_dtype(device_type)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class Linear(FP8Module):
@@ -64,6 +75,7 @@ class Linear(FP8Module):
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
                 return linear_main_grad(x, self.weight, bias)
             return F.linear(x, self.weight, bias)
+        x = autocast_input(x)
         q = quantizers[0]
         w_fp8 = self.fp8_weight("weight", self.weight, q.weight, is_first_microbatch)
         return fp8_linear(x, self.weight, bias, q, w_fp8=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
