@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from fp8engine._cli import CommandParser, usage_error
+from fp8engine._cpu import prefer_avx2_cpu_kernels
 
 PROG = "examples/hf_finetune.py"
 REPO = Path(__file__).resolve().parent.parent
@@ -135,6 +136,7 @@ class CausalLMLoss:
 
 
 def main(argv=None) -> int:
+    prefer_avx2_cpu_kernels()  # before the first CPU kernel (fp8engine/_cpu.py)
     args = parse_args(argv)
     import torch
     import transformers

@@ -54,6 +54,7 @@ from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
 from fp8engine.training.step import CUDAGraphStep, TrainStep, capture_problem, make_optimizer, set_lr
 from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
+from fp8engine._cpu import prefer_avx2_cpu_kernels
 
 __all__ = ["main", "build_parser", "lr_at"]
 
@@ -464,6 +465,7 @@ def _finish(run: Run, model: GPT, last_step: int) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``python -m fp8engine.train`` / ``fp8engine-train``; returns the exit status."""
+    prefer_avx2_cpu_kernels()  # before the first CPU kernel (fp8engine/_cpu.py)
     args = build_parser().parse_args(argv)
     try:
         run = prepare(args)

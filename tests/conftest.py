@@ -4,6 +4,8 @@ import os
 import pytest
 import torch
 
+from fp8engine._cpu import prefer_avx2_cpu_kernels
+
 # Triton decides between compiled and interpreted kernels when a kernel module is imported, so without a GPU the
 # interpreter is switched on here, before any test imports fp8engine.kernels.*.
 if not torch.cuda.is_available():
@@ -15,6 +17,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # XLA's GPU backend rewrites divisions and float32 matmuls (approximate reciprocal, TF32), so on a GPU machine
 # the JAX tests still run on the CPU backend. (Set JAX_PLATFORMS yourself to try another backend.)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# torch's AVX-512 CPU kernels run the emulated FP8 GEMM ~100x slower than its AVX2 ones (fp8engine/_cpu.py); set
+# before the first CPU kernel so the in-process tests and the subprocesses they start use the AVX2 kernels.
+prefer_avx2_cpu_kernels()
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -12,6 +12,7 @@ import sys
 from typing import Optional
 
 from fp8engine._cli import usage_error, version_line
+from fp8engine._cpu import prefer_avx2_cpu_kernels
 
 PROG = "python -m fp8engine.bench"
 
@@ -44,6 +45,7 @@ def help_text() -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Dispatch to the benchmark named by ``argv[0]``; returns the exit status (2 for a usage error)."""
+    prefer_avx2_cpu_kernels()  # before the first CPU kernel (fp8engine/_cpu.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         usage_error(PROG, f"name a benchmark: {', '.join([*BENCHMARKS, 'all'])}")
