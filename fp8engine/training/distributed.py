@@ -83,13 +83,14 @@ def check_layout(tp: int, sequence_parallel: bool, config, seq_len: int, fp8: bo
                          "--tp or --precision bf16")
 
 
-def init_layout(tp: int, device: torch.device) -> Layout:
-    """Initialise ``torch.distributed`` from ``torchrun``'s environment when there is more than one process."""
+def init_layout(tp: int, device: torch.device, timeout: Optional[float] = None) -> Layout:
+    """Initialise ``torch.distributed`` from ``torchrun``'s environment when there is more than one process;
+    ``timeout`` (seconds, None: torch's default) bounds every collective's wait."""
     if env_world_size() == 1:
         return Layout()
     from fp8engine.parallel import init_parallel
 
-    env = init_parallel(tp, backend=None if device.type == "cuda" else "gloo")
+    env = init_parallel(tp, backend=None if device.type == "cuda" else "gloo", timeout=timeout)
     return Layout(dist.get_rank(), dist.get_world_size(), env.dp_rank, env.dims.dp, env.dims.tp, env.tp_rank,
                   env.dp_group if env.dims.dp > 1 else None, env.tp_group if env.dims.tp > 1 else None)
 
