@@ -213,23 +213,43 @@ def test_all_checkpoints_damaged_exits_2(resumable, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- bad flags
 
-@pytest.mark.parametrize("args,expected", [
-    (["--seq-len", "0"], "--seq-len must be >= 1; got 0"),
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--n-layer", "0"], "--n-layer must be >= 1"),
-    (["--keep-checkpoints", "1"], "--keep-checkpoints must be >= 2"),
-    (["--skip-nonfinite", "-1"], "--skip-nonfinite must be >= 0"),
-    (["--dist-timeout", "0"], "--dist-timeout must be a positive"),
-    (["--lr", "nan"], "--lr must be a positive finite"),
-    (["--dropout", "1"], "--dropout must be in [0, 1)"),
-    (["--out", "/etc/passwd/x"], "/etc/passwd is a file"),
-], ids=lambda v: v if isinstance(v, str) else " ".join(v))
-def test_bad_flag_exits_2_before_writing(tmp_path, args, expected):
-    out = tmp_path / "out"
-    rc, stdout, stderr = _cli(*(["--out", out] if "--out" not in args else []), *args, "--steps", "1")
-    assert rc == 2 and stdout == "" and "Traceback" not in stderr
+_BAD_FLAGS = {
+    "seq-len 0": (["--seq-len", "0"], "--seq-len must be >= 1; got 0"),
+    "batch-size 0": (["--batch-size", "0"], "--batch-size must be >= 1"),
+    "n-layer 0": (["--n-layer", "0"], "--n-layer must be >= 1"),
+    "keep-checkpoints 1": (["--keep-checkpoints", "1"], "--keep-checkpoints must be >= 2"),
+    "skip-nonfinite -1": (["--skip-nonfinite", "-1"], "--skip-nonfinite must be >= 0"),
+    "dist-timeout 0": (["--dist-timeout", "0"], "--dist-timeout must be a positive"),
+    "lr nan": (["--lr", "nan"], "--lr must be a positive finite"),
+    "dropout 1": (["--dropout", "1"], "--dropout must be in [0, 1)"),
+    "out under a file": (["--out", "/etc/passwd/x"], "/etc/passwd is a file"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs(tmp_path_factory):
+    """Every bad-flag command launched at once (each a fresh interpreter): {case: (rc, stdout, stderr, out)}."""
+    tmp = tmp_path_factory.mktemp("flags")
+    procs = {}
+    for i, (name, (args, _)) in enumerate(_BAD_FLAGS.items()):
+        out = tmp / f"out{i}"
+        cmd = [sys.executable, "-m", "fp8engine.train", *(["--out", str(out)] if "--out" not in args else []),
+               *args, "--steps", "1"]
+        procs[name] = (subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True), out)
+    results = {}
+    for name, (proc, out) in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        results[name] = (proc.returncode, stdout, stderr, out)
+    return results
+
+
+@pytest.mark.parametrize("case", list(_BAD_FLAGS))
+def test_bad_flag_exits_2_before_writing(bad_flag_runs, case):
+    rc, stdout, stderr, out = bad_flag_runs[case]
+    assert rc == 2 and stdout == "" and "Traceback" not in stderr, stderr
     lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], stderr
+    assert len(lines) == 1 and _BAD_FLAGS[case][1] in lines[0], stderr
     assert not out.exists()
 
 
