@@ -391,7 +391,14 @@ def evaluate(run: Run, model: torch.nn.Module) -> float:
 def _save(run: Run, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> None:
     if run.out is None:
         return
-    if not all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point()):
+    bad = sum(int(not torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
+    if run.layout.world_size > 1:  # every rank decides alike (a tp shard may be the only non-finite one)
+        import torch.distributed as dist
+
+        flag = torch.tensor([bad], dtype=torch.float64, device=run.device)
+        dist.all_reduce(flag)
+        bad = int(flag.item())
+    if bad:
         raise NonFiniteStop(f"step {step}: the weights are not finite; no checkpoint written (the last one in "
                             f"{run.out} is kept)")
     state = {
