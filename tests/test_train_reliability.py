@@ -298,3 +298,39 @@ def test_dead_rank_ends_the_other_within_timeout(tmp_path, text_file):
     assert "Traceback" not in stderr, stderr[-3000:]
     lines = _error_lines(stderr)
     assert len(lines) == 1 and "rank 0" in lines[0] and "--dist-timeout" in lines[0], stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------- multi-rank (DCP) checkpoint
+
+def _torchrun(nproc, *args):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(port), "-m", "fp8engine.train", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.slow
+def test_damaged_shard_stops_every_rank(tmp_path, text_file):
+    """2 gloo ranks save a DCP checkpoint; rank 1's shard file is then overwritten. Resuming stops every rank
+    before any collective (exit 2, the one line names the damaged file; no hang)."""
+    from fp8engine.training import UsageError
+    from fp8engine.training.distributed import read_sharded_settings
+
+    common = ["--data", text_file, "--steps", "4", "--precision", "fp32", *QUICK, "--out", tmp_path]
+    rc, stderr = _torchrun(2, *common, "--stop-at", "1")
+    assert rc == 0, stderr[-3000:]
+    step_dir = tmp_path / "checkpoint" / "step_1"
+    assert json.loads((step_dir / "checksums.json").read_text()).keys() >= {".metadata", "__1_0.distcp"}
+    shard = step_dir / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, the CRC differs
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match=r"checkpoint at .*step_1 is damaged: __1_0.distcp: CRC-32"):
+        read_sharded_settings(tmp_path, {"world_size": 2, "tp": 1})
+    rc, stderr = _torchrun(2, *common, "--resume")
+    assert rc != 0 and "(exitcode: 2)" in stderr, stderr[-3000:]  # torchrun adds its own report
+    lines = _error_lines(stderr)
+    assert len(lines) == 1 and "is damaged: __1_0.distcp" in lines[0], stderr[-3000:]
