@@ -560,14 +560,6 @@ def _finish(run: Run, model: GPT, last_step: int) -> None:
         print(f"wrote {run.out / 'metrics.jsonl'}, {ckpt}, {run.out / PLOT_NAME}")
 
 
-def dist_errors() -> tuple:
-    """Exception types of a failed collective (``torch.distributed``'s DistError family; RuntimeError on older
-    torch)."""
-    import torch.distributed as dist
-
-    return tuple(t for t in (getattr(dist, "DistError", None),) if t is not None) or (RuntimeError,)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``python -m fp8engine.train`` / ``fp8engine-train``; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -596,7 +588,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if run.layout.is_main:
             print(f"fp8engine.train: error: {err}", file=sys.stderr, flush=True)
         return 3
-    except (RuntimeError, dist_errors()) as err:
+    except RuntimeError as err:  # torch.distributed's DistError and gloo's errors are RuntimeErrors
         if run.layout.world_size == 1:
             raise
         # A collective failed or timed out: another process died or hangs. Say so in one line and leave at once;
