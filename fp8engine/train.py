@@ -20,6 +20,14 @@ checkpoints hold every RNG state and the FP8 scaling buffers, so on the CPU a ru
 exactly the losses of an uninterrupted run.
 
 Bad input exits with status 2 and one line saying what to change, before anything is written to ``--out``.
+
+Failures: a step whose loss or global gradient norm is NaN/inf changes nothing (weights, AdamW state, FP8
+scaling buffers; :mod:`fp8engine.training.guard`, checked on the device and read with the loss); the run then
+stops with one line naming the step and exit status 3, or with ``--skip-nonfinite N`` goes on, stopping after N
+skipped steps in a row. A checkpoint is never written from non-finite weights. The last ``--keep-checkpoints``
+checkpoints are kept with CRC-32 sidecars; ``--resume`` reports a damaged one in one line and falls back to the
+newest that loads. In a multi-process run a failed or timed-out collective (another rank died;
+``--dist-timeout``) ends every surviving process with one line and exit status 1.
 """
 from __future__ import annotations
 
@@ -46,8 +54,9 @@ from fp8engine.fp8.autocast import FP8Context, recompute_context
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
 from fp8engine.parallel import RNGStatesTracker, all_reduce_sequence_parallel_grads, model_parallel_manual_seed
 from fp8engine.training import UsageError
-from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, capture_rng_state, load_checkpoint,
-                                           restore_rng_state, save_checkpoint)
+from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, capture_rng_state, checkpoint_paths,
+                                           load_checkpoint, restore_rng_state, save_checkpoint)
+from fp8engine.training.guard import NonFiniteGuard
 from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm, env_world_size,
                                             SHARDED_DIR, has_sharded, init_layout, load_sharded,
                                             read_sharded_settings, save_sharded)
@@ -105,10 +114,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for metrics.jsonl, checkpoint.pt and loss.png")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--sample-tokens", type=int, default=300, help="tokens to generate at the end (0: none)")
+    p.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+                   help="skip up to N optimizer steps in a row whose loss or gradient norm is NaN/inf (nothing "
+                        "is updated from them), then stop; 0: stop at the first one (exit status 3)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                   help="checkpoints kept in --out (newest first; --resume falls back to an older one when the "
+                        "newest is damaged); at least 2")
+    p.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="multi-process runs: a collective waiting longer than this (another process died or "
+                        "hangs) ends the run with an error")
     return p
 
 
+#: Integer flags that must be >= the bound when given (0 is a value, not "unset").
+_MIN_INT = {"steps": 1, "stop_at": 1, "batch_size": 1, "seq_len": 1, "n_layer": 1, "n_head": 1, "hidden_size": 1,
+            "ffn_hidden_size": 1, "grad_accum": 1, "eval_interval": 1, "eval_iters": 1, "tp": 1,
+            "warmup_steps": 0, "sample_tokens": 0, "skip_nonfinite": 0, "keep_checkpoints": 2}
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` for a numeric flag out of range (run before any default is filled in)."""
+    for name, low in _MIN_INT.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}; got {value}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a positive finite number; got {args.lr}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be a finite number >= 0; got {args.weight_decay}")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1); got {args.dropout}")
+    if not (math.isfinite(args.dist_timeout) and args.dist_timeout > 0):
+        raise UsageError(f"--dist-timeout must be a positive number of seconds; got {args.dist_timeout}")
+
+
+def _check_out(out: Path) -> None:
+    """Raise :class:`UsageError` unless ``out`` is a writable directory or can be created (writes nothing)."""
+    if out.exists():
+        if not out.is_dir():
+            raise UsageError(f"--out {out} is a file; give a directory")
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise UsageError(f"--out {out} is not writable by this user; choose another directory")
+        return
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {out} cannot be created: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out} cannot be created: {parent} is not writable by this user")
+
+
 def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    _check_flags(args)
     steps, batch, lr = _MODEL_DEFAULTS[args.model]
     args.steps = steps if args.steps is None else args.steps
     args.batch_size = batch if args.batch_size is None else args.batch_size
@@ -157,7 +215,7 @@ def _model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     base = GPT_CONFIGS[args.model]
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "hidden_size", "ffn_hidden_size")
                  if getattr(args, k) is not None}
-    overrides.update(vocab_size=vocab_size, max_seq_len=args.seq_len or base.max_seq_len)
+    overrides.update(vocab_size=vocab_size, max_seq_len=base.max_seq_len if args.seq_len is None else args.seq_len)
     if args.dropout is not None:
         overrides["dropout"] = args.dropout
     try:
@@ -206,10 +264,12 @@ def prepare(args: argparse.Namespace) -> Run:
     args.seq_len = config.max_seq_len
     check_seq_len(data, args.seq_len)
     check_layout(args.tp, args.sequence_parallel, config, args.seq_len, args.precision == "fp8")
+    if args.out is not None and not args.out.strip():
+        raise UsageError("--out must name a directory; got an empty string")
     out = Path(args.out) if args.out else None
     checkpoint = None
-    if out is not None and out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file; give a directory")
+    if out is not None:
+        _check_out(out)
     if args.resume:
         checkpoint = (read_sharded_settings(out, _settings(args)) if has_sharded(out)
                       else load_checkpoint(out))
@@ -217,7 +277,7 @@ def prepare(args: argparse.Namespace) -> Run:
         if checkpoint["step"] >= args.steps:
             raise UsageError(f"--resume: the checkpoint is already at step {checkpoint['step']}; pass "
                              f"--steps larger than that to train further")
-    elif out is not None and ((out / CHECKPOINT_NAME).exists() or has_sharded(out)):
+    elif out is not None and (any(p.exists() for p in checkpoint_paths(out)) or has_sharded(out)):
         raise UsageError(f"--out {out} already holds a checkpoint; pass --resume to continue it or choose "
                          "another --out")
     return Run(args, device, data, config, out, checkpoint)
@@ -277,9 +337,11 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
     return model, step_model, optimizer
 
 
-def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainStep:
+def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              guard: bool = True) -> TrainStep:
     """The step object of this run: captured in a CUDA graph where :func:`capture_problem` allows it and
-    ``--no-cuda-graphs`` is not given, else eager."""
+    ``--no-cuda-graphs`` is not given, else eager; with a :class:`NonFiniteGuard` of ``model`` unless ``guard``
+    is False (``bench train --no-guard``)."""
     args, layout = run.args, run.layout
 
     def context():
@@ -293,10 +355,12 @@ def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torc
         def after_backward():
             all_reduce_sequence_parallel_grads(model, layout.tp_group)
     params = list(model.parameters())
+    nf_guard = NonFiniteGuard(model) if guard else None
     if args.cuda_graphs and run.graph_problem is None:
-        return CUDAGraphStep(step_model, params, optimizer, context, args.grad_accum, clip, device=run.device)
+        return CUDAGraphStep(step_model, params, optimizer, context, args.grad_accum, clip, device=run.device,
+                             guard=nf_guard)
     return TrainStep(step_model, params, optimizer, context, args.grad_accum, clip, after_backward,
-                     device=run.device)
+                     device=run.device, guard=nf_guard)
 
 
 def step_batches(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,6 +392,16 @@ def evaluate(run: Run, model: torch.nn.Module) -> float:
 def _save(run: Run, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> None:
     if run.out is None:
         return
+    bad = sum(int(not torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
+    if run.layout.world_size > 1:  # every rank decides alike (a tp shard may be the only non-finite one)
+        import torch.distributed as dist
+
+        flag = torch.tensor([bad], dtype=torch.float64, device=run.device)
+        dist.all_reduce(flag)
+        bad = int(flag.item())
+    if bad:
+        raise NonFiniteStop(f"step {step}: the weights are not finite; no checkpoint written (the last one in "
+                            f"{run.out} is kept)")
     state = {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
         "data_position": {"next_step": step + 1, "sampler": "batch_seed(seed, split, step, micro)"},
@@ -335,7 +409,11 @@ def _save(run: Run, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> 
     if run.layout.world_size > 1:
         save_sharded(run.out, run.layout, model, optimizer, state, step)
     else:
-        save_checkpoint(run.out, state)
+        save_checkpoint(run.out, state, keep=run.args.keep_checkpoints)
+
+
+class NonFiniteStop(Exception):
+    """The run stops on a non-finite loss or gradient norm (message: one line naming the step)."""
 
 
 class _GracefulStop:
@@ -373,12 +451,26 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * run.layout.dp_size
     bar = tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
                disable=not main_rank)
-    step = start
+    step, skipped = start, 0
     # Multi-rank runs keep Ctrl-C's default (ranks could stop at different steps and hang a collective).
     with _GracefulStop(enabled=run.layout.world_size == 1) as stop:
         try:
             for step in range(start + 1, end + 1):
                 record = _one_step(run, step_fn, optimizer, step, tokens_per_step)
+                if record.pop("found_inf"):
+                    skipped += 1
+                    what = (f"non-finite loss ({record['loss']}) or gradient norm at step {step}; the step was not "
+                            "applied")
+                    if skipped > args.skip_nonfinite:
+                        hint = (f"{skipped} in a row, --skip-nonfinite {args.skip_nonfinite}" if args.skip_nonfinite
+                                else "pass --skip-nonfinite N to skip such steps, or lower --lr")
+                        last = (f"; the last checkpoint in {run.out} is from before it" if run.out else "")
+                        raise NonFiniteStop(f"{what}; stopping ({hint}){last}")
+                    if main_rank:
+                        bar.write(f"skipped: {what} ({skipped} in a row, at most {args.skip_nonfinite})")
+                    record["skipped"] = True
+                else:
+                    skipped = 0
                 if step % args.eval_interval == 0 or step == args.steps:
                     record["val_loss"] = evaluate(run, model)
                     if main_rank:
@@ -407,9 +499,15 @@ def _one_step(run: Run, step_fn: TrainStep, optimizer: torch.optim.Optimizer, st
     t0 = time.perf_counter()
     set_lr(optimizer, lr)
     xs, ys = step_batches(run, step)
-    local = step_fn(xs, ys).item()
-    loss = all_reduce_sum([local], layout.dp_group, run.device)[0] / layout.dp_size
-    return {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
+    loss_t = step_fn(xs, ys)
+    found = step_fn.found_inf
+    if found is None:
+        local, bad = loss_t.item(), 0.0
+    else:  # one read for both: the flag rides with the loss the host reads anyway
+        local, bad = torch.stack([loss_t.detach().float(), found]).tolist()
+    loss, bad = all_reduce_sum([local, bad], layout.dp_group, run.device)
+    return {"step": step, "loss": loss / layout.dp_size, "lr": lr, "found_inf": bad > 0,
+            "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
 
 
 def sample(run: Run, model: GPT, num_tokens: int) -> str:
@@ -473,7 +571,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"fp8engine.train: error: {err}", file=sys.stderr)
         return 2
-    run.layout = init_layout(args.tp, run.device)
+    run.layout = init_layout(args.tp, run.device, timeout=args.dist_timeout)
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())
     run.graph_problem = capture_problem(run.device, run.layout.world_size, args.compile)
@@ -488,6 +586,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         if run.layout.is_main:
             print(f"trained to step {last} in {time.perf_counter() - t0:.1f} s", flush=True)
         _finish(run, model, last)
+    except NonFiniteStop as err:
+        if run.layout.is_main:
+            print(f"fp8engine.train: error: {err}", file=sys.stderr, flush=True)
+        return 3
+    except RuntimeError as err:  # torch.distributed's DistError and gloo's errors are RuntimeErrors
+        if run.layout.world_size == 1:
+            raise
+        # A collective failed or timed out: another process died or hangs. Say so in one line and leave at once;
+        # destroying the process group could wait on the dead peer.
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        print(f"fp8engine.train: error: rank {run.layout.rank}: a collective failed or timed out (another process "
+              f"died or hangs; --dist-timeout {args.dist_timeout:g} s): {first}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     finally:
         if run.layout.world_size > 1:
             import torch.distributed as dist

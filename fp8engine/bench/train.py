@@ -10,6 +10,10 @@ Modes: ``bf16`` (eager), ``bf16-compile`` (``--compile``), ``bf16-graph`` (CUDA 
 ``fp8-current`` (eager, ``--no-cuda-graphs``), ``fp8-delayed-graph`` and ``fp8-current-graph`` (the command's
 default on CUDA). Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding parameters plus the tied LM head,
 L layers, h width, s context; the PaLM paper's appendix B formula), so MFU counts no recomputation.
+
+Each step runs with the command's non-finite guard (:mod:`fp8engine.training.guard`: FP8-buffer snapshot,
+device-side check, ``found_inf`` read with the loss); ``--no-guard`` times the step without it, so running both
+measures the guard's cost.
 """
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
         run.device = torch.device("cuda", torch.cuda.current_device())
     run.graph_problem = T.capture_problem(run.device, 1, run.args.compile)
     model, step_model, optimizer = T._build(run)
-    step_fn = T.make_step(run, model, step_model, optimizer)
+    step_fn = T.make_step(run, model, step_model, optimizer, guard=not args.no_guard)
     tokens = run.args.batch_size * run.args.seq_len
     peak_memory_gib(reset=True)
     times, losses = [], []
@@ -82,7 +86,10 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         set_lr(optimizer, T.lr_at(step, run.args.lr, run.args.warmup_steps, run.args.steps))
         xs, ys = T.step_batches(run, step)
-        losses.append(step_fn(xs, ys).item())
+        loss = step_fn(xs, ys)
+        if step_fn.found_inf is not None:  # as the command reads it: one transfer with the loss
+            loss = torch.stack([loss.detach().float(), step_fn.found_inf])[0]
+        losses.append(loss.item())
         times.append(time.perf_counter() - t0)
     timed = times[args.skip:]
     step_s = statistics.median(timed)
@@ -91,7 +98,7 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     row = {"model": model_name, "mode": mode, "batch": f"{run.args.batch_size}x{run.args.seq_len}",
            "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "model_tflops": flops,
            "mfu": flops / peak if peak else float("nan"), "peak_mem_gib": peak_memory_gib(),
-           "graphed": isinstance(step_fn, CUDAGraphStep), "loss_first": losses[0], "loss_last": losses[-1]}
+           "graphed": isinstance(step_fn, CUDAGraphStep), "guard": not args.no_guard, "loss_first": losses[0], "loss_last": losses[-1]}
     del model, step_model, optimizer, step_fn
     gc.collect()
     if torch.cuda.is_available():
@@ -110,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="training data as for the training command (default: its default)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--json", help="write the rows to this JSON file")
+    p.add_argument("--no-guard", action="store_true", help="time the step without the non-finite guard (compare "
+                                                          "with a run without this flag for the guard's cost)")
     return p
 
 
@@ -144,6 +153,6 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"  {model_name} {mode}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s", flush=True)
     print_table(rows, ["model", "mode", "batch", "step_ms", "tokens_per_s", "vs_bf16", "model_tflops", "mfu",
-                       "peak_mem_gib", "graphed", "loss_first", "loss_last", "error"])
+                       "peak_mem_gib", "graphed", "guard", "loss_first", "loss_last", "error"])
     write_json(args.json, "train", rows)
     return 1 if failed else 0

@@ -1,6 +1,7 @@
 """Data x tensor parallel layout from ``torchrun``'s environment: sizes, checks, the device mesh and its groups."""
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -72,13 +73,16 @@ class ParallelEnv:
     tp_rank: int
 
 
-def init_parallel(tp: int, *, backend: Optional[str] = None, model_dims: Optional[dict] = None) -> ParallelEnv:
+def init_parallel(tp: int, *, backend: Optional[str] = None, model_dims: Optional[dict] = None,
+                  timeout: Optional[float] = None) -> ParallelEnv:
     """Initialise the default process group from ``torchrun``'s environment (``nccl`` with CUDA, else ``gloo``;
     skipped if already initialised), bind this process to GPU ``LOCAL_RANK``, build the ``(dp, tp)`` mesh.
 
     Args:
         tp: tensor-parallel size. backend: override the backend.
         model_dims: optional ``ParallelDims.validate_model`` keywords (num_heads, hidden, ffn, vocab, ...).
+        timeout: seconds a collective (and the rendezvous) may wait before failing (None: torch's default, 10 min
+            for NCCL and gloo), so a dead peer ends the survivors with an error instead of a hang.
     Raises:
         ValueError: tp does not divide the world size or a model dimension.
     """
@@ -86,7 +90,8 @@ def init_parallel(tp: int, *, backend: Optional[str] = None, model_dims: Optiona
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"))
+        kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), **kwargs)
     dims = ParallelDims.from_env(tp, dist.get_world_size())
     if model_dims:
         dims.validate_model(**model_dims)

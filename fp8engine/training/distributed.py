@@ -15,9 +15,15 @@ of each key, so keys carry the rank whose data they are (:func:`_sharded_state`)
 - ``step``, ``data_position``, ``settings``, ``config``: plain Python values, the same on every rank.
 
 Resuming therefore needs the same world size and ``--tp`` (checked up front by :func:`read_sharded_settings`).
+
+Once every rank has written, rank 0 records the size and CRC-32 of every file of the step directory in
+``checksums.json`` before pointing ``latest`` at it; :func:`read_sharded_settings` (run by every rank before the
+process group exists) checks them all, so a damaged shard of any rank stops every rank with the same one-line
+message and no collective can hang on it.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -31,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fp8engine.training import UsageError
-from fp8engine.training.checkpoint import atomic_write, capture_rng_state
+from fp8engine.training.checkpoint import atomic_write, capture_rng_state, file_crc32
 
 __all__ = ["Layout", "env_world_size", "check_layout", "init_layout", "clip_grad_norm", "all_reduce_sum",
            "save_sharded", "load_sharded", "read_sharded_settings", "has_sharded", "SHARDED_DIR"]
@@ -83,13 +89,14 @@ def check_layout(tp: int, sequence_parallel: bool, config, seq_len: int, fp8: bo
                          "--tp or --precision bf16")
 
 
-def init_layout(tp: int, device: torch.device) -> Layout:
-    """Initialise ``torch.distributed`` from ``torchrun``'s environment when there is more than one process."""
+def init_layout(tp: int, device: torch.device, timeout: Optional[float] = None) -> Layout:
+    """Initialise ``torch.distributed`` from ``torchrun``'s environment when there is more than one process;
+    ``timeout`` (seconds, None: torch's default) bounds every collective's wait."""
     if env_world_size() == 1:
         return Layout()
     from fp8engine.parallel import init_parallel
 
-    env = init_parallel(tp, backend=None if device.type == "cuda" else "gloo")
+    env = init_parallel(tp, backend=None if device.type == "cuda" else "gloo", timeout=timeout)
     return Layout(dist.get_rank(), dist.get_world_size(), env.dp_rank, env.dims.dp, env.dims.tp, env.tp_rank,
                   env.dp_group if env.dims.dp > 1 else None, env.tp_group if env.dims.tp > 1 else None)
 
@@ -176,12 +183,39 @@ def save_sharded(out: Path, layout: Layout, model: torch.nn.Module, optimizer: t
     dcp.save(_sharded_state(layout, model, optimizer, state["rng"]) | plain, checkpoint_id=step_dir)
     dist.barrier()
     if layout.is_main:
+        sums = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)} for p in sorted(step_dir.iterdir())
+                if p.is_file() and p.name != _CHECKSUMS}
+        atomic_write(step_dir / _CHECKSUMS, lambda tmp: tmp.write_text(json.dumps(sums, indent=1) + "\n"))
         latest = _root(out) / "latest"
         previous = latest.read_text().strip() if latest.is_file() else None
         atomic_write(latest, lambda tmp: tmp.write_text(step_dir.name + "\n"))
         if previous and previous != step_dir.name:
             shutil.rmtree(_root(out) / previous, ignore_errors=True)
     dist.barrier()
+
+
+_CHECKSUMS = "checksums.json"
+
+
+def _damage(step_dir: Path) -> Optional[str]:
+    """Why ``step_dir`` does not match its ``checksums.json`` (one line), or None when every file does (a
+    checkpoint written before checksums were recorded is not checked)."""
+    sums_path = step_dir / _CHECKSUMS
+    if not sums_path.is_file():
+        return None if step_dir.is_dir() else "the directory is missing"
+    try:
+        sums = json.loads(sums_path.read_text())
+    except ValueError as err:
+        return f"{_CHECKSUMS} is unreadable ({err})"
+    for name, meta in sums.items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != meta["size"]:
+            return f"{name} has {path.stat().st_size} bytes, {meta['size']} were written (truncated or overwritten)"
+        if file_crc32(path) != meta["crc32"]:
+            return f"{name}: CRC-32 differs from the one recorded at save time"
+    return None
 
 
 def has_sharded(out: Path) -> bool:
@@ -194,12 +228,16 @@ def read_sharded_settings(out: Path, settings: dict[str, Any]) -> Optional[dict[
     ``settings`` (this run's) is the template DCP fills with the saved values, so it must have the saved keys.
 
     Raises:
-        UsageError: the checkpoint cannot be read, or was written by a different world size or ``--tp`` (the
-            tensor-parallel shards and per-rank entries only fit the same layout).
+        UsageError: the checkpoint is damaged (a file differs from ``checksums.json``) or cannot be read, or was
+            written by a different world size or ``--tp`` (the tensor-parallel shards and per-rank entries only
+            fit the same layout).
     """
     step_dir = _latest_dir(out)
     if step_dir is None:
         return None
+    damage = _damage(step_dir)
+    if damage is not None:
+        raise UsageError(f"--resume: checkpoint at {step_dir} is damaged: {damage}; use a new --out")
     meta = {"step": 0, "settings": dict(settings)}
     try:
         with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended here

@@ -25,6 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
+from fp8engine.training.guard import NonFiniteGuard
+
 __all__ = ["TrainStep", "CUDAGraphStep", "capture_problem", "make_optimizer", "set_lr"]
 
 
@@ -88,6 +90,9 @@ class TrainStep:
             norm is returned as a tensor (no host synchronisation).
         after_backward: called after the last backward and before clipping (sequence-parallel gradient
             all-reduce), or None.
+        guard: a :class:`~fp8engine.training.guard.NonFiniteGuard` of the model, or None (no check): a step whose
+            loss or gradient norm is not finite then leaves weights, optimizer state and FP8 buffers unchanged,
+            and ``found_inf`` (float32 device scalar, 0/1) says so after each call.
     ``__call__(xs, ys)`` takes ``[grad_accum, b, s]`` int64 token and target ids (any device) and returns the mean
     loss over the micro-batches as a device scalar (this process's share; the caller reduces over data parallel).
     """
@@ -95,7 +100,7 @@ class TrainStep:
     def __init__(self, step_model: torch.nn.Module, params: list, optimizer: torch.optim.Optimizer,
                  precision_context: Callable[[], contextlib.AbstractContextManager], grad_accum: int,
                  clip: Callable[[list], torch.Tensor], after_backward: Optional[Callable[[], None]] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, guard: Optional[NonFiniteGuard] = None):
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
         self.step_model, self.params, self.optimizer = step_model, list(params), optimizer
@@ -103,8 +108,16 @@ class TrainStep:
         self.clip, self.after_backward = clip, after_backward
         self.device = device if device is not None else self.params[0].device
         self.grad_norm: Optional[torch.Tensor] = None
+        self.guard = guard
+
+    @property
+    def found_inf(self) -> Optional[torch.Tensor]:
+        """1.0 when the last step was skipped as non-finite (device scalar; None without a guard)."""
+        return None if self.guard is None else self.guard.found_inf
 
     def _step(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        if self.guard is not None:
+            self.guard.snapshot()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro in range(self.grad_accum):
             first = None if self.grad_accum == 1 else micro == 0
@@ -119,9 +132,16 @@ class TrainStep:
         if self.after_backward is not None:
             self.after_backward()
         self.grad_norm = self.clip(self.params)
-        self.optimizer.step()
+        mean = total / self.grad_accum
+        if self.guard is None:
+            self.optimizer.step()
+        else:
+            self.guard.check(mean, self.grad_norm)
+            self.guard.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        return total / self.grad_accum
+        if self.guard is not None:
+            self.guard.restore_if_found()
+        return mean
 
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         return self._step(xs.to(self.device, non_blocking=True), ys.to(self.device, non_blocking=True))
