@@ -92,7 +92,11 @@ def _kernels_on(device: torch.device) -> bool:
 def use_kernels(x: torch.Tensor) -> bool:
     """The one dispatch predicate of the FP8 paths: True for a CUDA tensor when the Triton kernels can run there
     (``kernels_available``, cached per device, so the hot path pays a dict look-up). CPU tensors take the torch
-    path; tests swap the ops' reference to this function to run the kernels under ``TRITON_INTERPRET=1``."""
+    path; tests swap the ops' reference to this function to run the kernels under ``TRITON_INTERPRET=1``.
+    Under ``torch.compile`` the torch path is taken (Dynamo does not trace into the Triton launchers; Inductor
+    generates the fused casts itself)."""
+    if torch.compiler.is_compiling():
+        return False
     return x.is_cuda and _kernels_on(x.device)
 
 

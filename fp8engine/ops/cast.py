@@ -15,6 +15,7 @@ import torch
 
 from fp8engine.fp8.autocast import FP8Context
 from fp8engine.fp8.dtypes import fp8_dtype_of
+from fp8engine.fp8.library import grad_amax_slot
 from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize, quantize_current, use_kernels
 from fp8engine.fp8.state import ScalingState
 from fp8engine.recipe import DelayedScaling
@@ -101,7 +102,10 @@ def cast_operand(x: torch.Tensor, state: ScalingState, row: int, plan: FP8Plan, 
                             amax=amax)[0]
     if not plan.delayed:
         return quantize_current(x, fp8_dtype, transpose=transpose, amax=amax)
-    amax_out = state.amax_history[row, 0:1] if (grad or plan.record_amax) else None
+    if grad:  # torch.compile: a slot of its own (fp8engine.fp8.library); eager: amax_history[row, 0:1]
+        amax_out = grad_amax_slot(state, row)
+    else:
+        amax_out = state.amax_history[row, 0:1] if plan.record_amax else None
     return quantize(x, fp8_dtype, state.scale[row:row + 1], amax_out=amax_out, transpose=transpose)
 
 

@@ -93,7 +93,8 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
         raise TypeError(f"fp8_mm_accumulate accumulates into float32, got out of dtype {out.dtype}")
     if tuple(out.shape) != (a.shape[0], b.shape[0]):
         raise ValueError(f"fp8_mm_accumulate: out must be [M, N] = {(a.shape[0], b.shape[0])}, got {tuple(out.shape)}")
-    if out.is_cuda and out.is_contiguous() and cublaslt.available():
+    # cuBLASLt through ctypes is opaque to torch.compile: compiled code takes the torch._scaled_mm path
+    if out.is_cuda and out.is_contiguous() and not torch.compiler.is_compiling() and cublaslt.available():
         if pad_inner and a.shape[1] % _ALIGN:
             a, b = _pad_last(a, _ALIGN), _pad_last(b, _ALIGN)
         a, b = a.contiguous(), b.contiguous()
@@ -130,7 +131,8 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     1-element float32 (``amax_out`` None: amax not recorded).
     """
     a2, b2 = a.data.reshape(-1, a.data.shape[-1]), b.data.reshape(-1, b.data.shape[-1])
-    if not (a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16) and cublaslt.available()):
+    if not (a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16) and cublaslt.available()
+            and not torch.compiler.is_compiling()):  # ctypes cuBLASLt is opaque to torch.compile
         return None
     bias = bias.to(out_dtype)
     if a2.shape[1] % _ALIGN or b2.shape[0] % _ALIGN or not (a2.is_contiguous() and b2.is_contiguous()
