@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
+
+import torch
 
 from fp8engine.recipe import CurrentScaling, DelayedScaling
 
@@ -52,14 +55,41 @@ _FP8_CONTEXT: contextvars.ContextVar[Optional[FP8Context]] = contextvars.Context
                                                                                      default=None)
 
 
+class _CompileMirror(threading.local):
+    """The active context again, for ``torch.compile``: Dynamo cannot read a ``ContextVar`` (graph break) but reads
+    and guards a thread-local attribute, so a compiled module sees the region's context and re-traces when the
+    recipe (or FP8 on/off) changes. Set and restored by :func:`autocast` / :func:`recompute_context` together
+    with the ``ContextVar``, which stays the source of truth in eager code (per thread, as the mirror; within
+    one thread a context entered in another asyncio task is not mirrored, so do not compile inside tasks that
+    interleave FP8 regions)."""
+
+    ctx: Optional[FP8Context] = None
+
+
+_COMPILE_MIRROR = _CompileMirror()
+
+
+@contextlib.contextmanager
+def _set_context(ctx: Optional[FP8Context]):
+    token = _FP8_CONTEXT.set(ctx)
+    outer, _COMPILE_MIRROR.ctx = _COMPILE_MIRROR.ctx, ctx
+    try:
+        yield
+    finally:
+        _COMPILE_MIRROR.ctx = outer
+        _FP8_CONTEXT.reset(token)
+
+
 def get_fp8_context() -> Optional[FP8Context]:
     """The active :class:`FP8Context`, or None outside an enabled FP8 region."""
+    if torch.compiler.is_compiling():
+        return _COMPILE_MIRROR.ctx
     return _FP8_CONTEXT.get()
 
 
 def get_fp8_recipe():
     """The active recipe (:class:`DelayedScaling` or :class:`CurrentScaling`), or None outside FP8 regions."""
-    ctx = _FP8_CONTEXT.get()
+    ctx = get_fp8_context()
     return None if ctx is None else ctx.recipe
 
 
@@ -80,13 +110,8 @@ def autocast(enabled: bool = True, recipe=None, amax_group=None):
     if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
         raise TypeError(f"recipe must be fp8engine.recipe.DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
     ctx = FP8Context(recipe, amax_group) if enabled else None
-    token = _FP8_CONTEXT.set(ctx)
-    try:
+    with _set_context(ctx):
         yield ctx
-    except BaseException:
-        _FP8_CONTEXT.reset(token)
-        raise
-    _FP8_CONTEXT.reset(token)
     if ctx is not None and isinstance(recipe, DelayedScaling) and ctx.states:
         from fp8engine.fp8.state import reduce_and_update
 
@@ -102,11 +127,5 @@ def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
 def recompute_context(ctx: Optional[FP8Context]):
     """Re-enter ``ctx``'s recipe for an activation-checkpoint recompute: same scales, amaxes not recorded,
     no scale update at exit."""
-    if ctx is None:
-        token = _FP8_CONTEXT.set(None)
-    else:
-        token = _FP8_CONTEXT.set(FP8Context(ctx.recipe, ctx.amax_group, record_amax=False))
-    try:
+    with _set_context(None if ctx is None else FP8Context(ctx.recipe, ctx.amax_group, record_amax=False)):
         yield
-    finally:
-        _FP8_CONTEXT.reset(token)
