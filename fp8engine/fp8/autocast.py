@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -80,6 +81,13 @@ def _set_context(ctx: Optional[FP8Context]):
         _FP8_CONTEXT.reset(token)
 
 
+@functools.lru_cache(maxsize=64)
+def _interned(recipe):
+    """The first-seen recipe equal to ``recipe`` (recipes are frozen dataclasses). Compiled code guards the recipe
+    object's identity, so a loop building ``DelayedScaling()`` anew each step would otherwise re-trace each step."""
+    return recipe
+
+
 def get_fp8_context() -> Optional[FP8Context]:
     """The active :class:`FP8Context`, or None outside an enabled FP8 region."""
     if torch.compiler.is_compiling():
@@ -109,7 +117,7 @@ def autocast(enabled: bool = True, recipe=None, amax_group=None):
         recipe = DelayedScaling()
     if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
         raise TypeError(f"recipe must be fp8engine.recipe.DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
-    ctx = FP8Context(recipe, amax_group) if enabled else None
+    ctx = FP8Context(_interned(recipe), amax_group) if enabled else None
     with _set_context(ctx):
         yield ctx
     if ctx is not None and isinstance(recipe, DelayedScaling) and ctx.states:
