@@ -197,35 +197,3 @@ def test_inductor_linear_close_to_eager():
         with fp8_autocast(fp8_recipe=recipe):
             y0, y1 = eager(x), compiled(x)
         assert sqnr(y0, y1) > 40
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_reduce_overhead_gpt_cuda(recipe):
-    """``mode="reduce-overhead"`` (CUDA graphs, Inductor) trains the tiny GPT in bf16 + FP8 to eager's losses
-    within a bound: Inductor's fused casts may round a few FP8 values differently, so losses agree to 2e-2
-    relative over 10 steps (fp8 step size 2^-3 relative on the rare differing element) and both decrease."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    eager = GPT(TINY).cuda().to(torch.bfloat16)
-    compiled_model = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_model, mode="reduce-overhead")
-
-    def train(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        gen = torch.Generator().manual_seed(0)
-        losses = []
-        for _ in range(10):
-            tokens = torch.randint(0, 256, (B, S + 1), generator=gen).cuda()
-            with fp8_autocast(fp8_recipe=RECIPES[recipe]()):
-                loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
-
-    l0, l1 = train(eager), train(compiled)
-    assert l1[-1] < l1[0]
-    for a, b in zip(l0, l1):
-        assert abs(a - b) <= 2e-2 * abs(a), (l0, l1)
