@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
+
+import torch
 
 from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling
 
@@ -52,14 +57,53 @@ _FP8_CONTEXT: contextvars.ContextVar[Optional[FP8Context]] = contextvars.Context
                                                                                      default=None)
 
 
+class _CompileMirror(threading.local):
+    """The active context again, for ``torch.compile``: Dynamo cannot read a ``ContextVar`` (graph break) but reads
+    and guards a thread-local attribute, so a compiled module sees the region's context and re-traces when the
+    recipe (or FP8 on/off) changes. Set and restored by :func:`autocast` / :func:`recompute_context` together
+    with the ``ContextVar``, which stays the source of truth in eager code (per thread, as the mirror; within
+    one thread a context entered in another asyncio task is not mirrored, so do not compile inside tasks that
+    interleave FP8 regions)."""
+
+    ctx: Optional[FP8Context] = None
+
+
+_COMPILE_MIRROR = _CompileMirror()
+
+
+@contextlib.contextmanager
+def _set_context(ctx: Optional[FP8Context]):
+    token = _FP8_CONTEXT.set(ctx)
+    mirror = ctx
+    if ctx is not None and _interned(ctx.recipe) is not ctx.recipe:
+        # same region (the states dict and recorders are shared), recipe interned for Dynamo's identity guard
+        mirror = dataclasses.replace(ctx, recipe=_interned(ctx.recipe))
+    outer, _COMPILE_MIRROR.ctx = _COMPILE_MIRROR.ctx, mirror
+    try:
+        yield
+    finally:
+        _COMPILE_MIRROR.ctx = outer
+        _FP8_CONTEXT.reset(token)
+
+
+@functools.lru_cache(maxsize=64)
+def _interned(recipe):
+    """The first-seen recipe equal to ``recipe`` (recipes are frozen dataclasses). Compiled code guards the recipe
+    object's identity, so a loop building ``DelayedScaling()`` anew each step would otherwise re-trace each step.
+    Only the compile mirror holds it: eager code sees the user's own recipe object."""
+    return recipe
+
+
 def get_fp8_context() -> Optional[FP8Context]:
     """The active :class:`FP8Context`, or None outside an enabled FP8 region."""
+    if torch.compiler.is_compiling():
+        return _COMPILE_MIRROR.ctx
     return _FP8_CONTEXT.get()
 
 
 def get_fp8_recipe():
     """The active recipe (:class:`DelayedScaling` or :class:`CurrentScaling`), or None outside FP8 regions."""
-    ctx = _FP8_CONTEXT.get()
+    ctx = get_fp8_context()
     return None if ctx is None else ctx.recipe
 
 
@@ -83,13 +127,8 @@ def autocast(enabled: bool = True, recipe=None, amax_group=None):
         raise TypeError("recipe must be fp8engine.recipe.DelayedScaling, CurrentScaling or Float8BlockScaling, "
                         f"got {type(recipe).__name__}")
     ctx = FP8Context(recipe, amax_group) if enabled else None
-    token = _FP8_CONTEXT.set(ctx)
-    try:
+    with _set_context(ctx):
         yield ctx
-    except BaseException:
-        _FP8_CONTEXT.reset(token)
-        raise
-    _FP8_CONTEXT.reset(token)
     if ctx is not None and isinstance(recipe, DelayedScaling) and ctx.states:
         from fp8engine.fp8.state import reduce_and_update
 
@@ -105,11 +144,5 @@ def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
 def recompute_context(ctx: Optional[FP8Context]):
     """Re-enter ``ctx``'s recipe for an activation-checkpoint recompute: same scales, amaxes not recorded,
     no scale update at exit."""
-    if ctx is None:
-        token = _FP8_CONTEXT.set(None)
-    else:
-        token = _FP8_CONTEXT.set(FP8Context(ctx.recipe, ctx.amax_group, record_amax=False))
-    try:
+    with _set_context(None if ctx is None else FP8Context(ctx.recipe, ctx.amax_group, record_amax=False)):
         yield
-    finally:
-        _FP8_CONTEXT.reset(token)

@@ -99,7 +99,11 @@ def use_kernels(x: torch.Tensor) -> bool:
     """The one backend predicate of the package: True when an op on ``x`` runs the Triton kernels (and cuBLASLt
     where it applies), False when it runs the plain-PyTorch reference. True for a CUDA tensor whose device can run
     the kernels (``kernels_available``, cached per device: the hot path pays a dict look-up), and for any tensor
-    inside :func:`kernels_forced`. Every dispatch point in ``fp8``, ``ops`` and ``parallel`` calls this function."""
+    inside :func:`kernels_forced`. Every dispatch point in ``fp8``, ``ops`` and ``parallel`` calls this function.
+    Under ``torch.compile`` the torch path is taken (Dynamo does not trace into the Triton launchers or the ctypes
+    cuBLASLt calls; Inductor generates the fused casts itself)."""
+    if torch.compiler.is_compiling():
+        return False
     if x.is_cuda:
         return _kernels_on(x.device)
     return _FORCE_KERNELS.get()

@@ -58,16 +58,18 @@ class Quantizer:
         role: the role name (for messages).
     """
 
-    __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed")
+    __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed", "state", "row")
 
     def __init__(self, fp8_dtype: torch.dtype, kind: str, scale: Optional[torch.Tensor] = None,
-                 amax: Optional[torch.Tensor] = None, role: str = ""):
+                 amax: Optional[torch.Tensor] = None, role: str = "", state=None, row: int = -1):
         if kind not in ("delayed", "current"):
             raise ValueError(f"Quantizer kind must be 'delayed' or 'current', got {kind!r}")
         if kind == "delayed" and scale is None:
             raise ValueError("a delayed-scaling Quantizer needs its scale (a [1] float32 tensor)")
         self.fp8_dtype, self.kind, self.scale, self.amax, self.role = fp8_dtype, kind, scale, amax, role
         self.delayed = kind == "delayed"
+        # delayed scaling: the ScalingState and row the views come from (torch.compile re-slices them in the trace)
+        self.state, self.row = state, row
 
     @property
     def record_amax(self) -> bool:
@@ -107,7 +109,21 @@ class Quantizer:
             if amax is None:
                 amax = x.detach().abs().amax()
             return quantize_torch(x, self.fp8_dtype, current_scale(amax, self.fp8_dtype), None, transpose)
+        if self.state is not None and torch.compiler.is_compiling():
+            return quantize_torch(x, self.fp8_dtype, *self._compiled_views(), transpose)
         return quantize_torch(x, self.fp8_dtype, self.scale, self.amax, transpose)
+
+    def _compiled_views(self) -> tuple:
+        """``(scale, amax)`` sliced from the live state buffers inside a ``torch.compile`` trace (AOTAutograd sees
+        the buffer mutations it must replay). A gradient role records into ``state.grad_amax`` instead of the
+        history (why: :mod:`fp8engine.fp8.library`)."""
+        st, row = self.state, self.row
+        scale = st.scale[row:row + 1]
+        if self.amax is None:
+            return scale, None
+        if _is_grad(self.role):  # get_quantizers flagged the state for the fold (outside the autograd.Function)
+            return scale, st.grad_amax[row:row + 1]
+        return scale, st.amax_history[row, 0:1]
 
     def quantize_dbias(self, dy: torch.Tensor, *, transpose: bool,
                        dbias: bool) -> tuple[Float8Tensor, Optional[torch.Tensor]]:
@@ -154,7 +170,7 @@ def _build(state, recipe, record_amax: bool) -> tuple:
         grad = _is_grad(role)
         if kind == "delayed":
             amax = state.amax_history[i, 0:1] if (grad or record_amax) else None
-            qs.append(Quantizer(bwd if grad else fwd, kind, state.scale[i:i + 1], amax, role))
+            qs.append(Quantizer(bwd if grad else fwd, kind, state.scale[i:i + 1], amax, role, state, i))
         else:
             qs.append(Quantizer(bwd if grad else fwd, kind, role=role))
     return tuple(LinearQuantizers(*qs[i:i + 3]) for i in range(0, len(qs) - len(qs) % 3, 3))
@@ -171,6 +187,15 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
     Raises TypeError for a recipe without quantizers (:func:`recipe_kind`)."""
     recipe = ctx.recipe
     delayed = isinstance(recipe, DelayedScaling)
+    if torch.compiler.is_compiling():
+        # traced: built in the graph's Python (no cache look-ups for Dynamo to guard on); the flag is written, not
+        # read (no guard): this state's compiled backward records into grad_amax, folded before each update
+        if delayed:
+            state.compiled_backward = True
+            if state.amax_history.shape[1] != recipe.amax_history_len:
+                state.resize_history(recipe.amax_history_len)
+            ctx.register(state)
+        return _build(state, recipe, ctx.record_amax)
     if delayed:
         if state.amax_history.shape[1] != recipe.amax_history_len:
             state.resize_history(recipe.amax_history_len)

@@ -19,6 +19,9 @@ class ScalingState(nn.Module):
             (max-accumulated by every cast of that tensor until the next update).
         scale: ``[n]`` float32, initially 1.0; multiply by it to enter the FP8 range.
         update_step: ``[]`` int64, how many updates ran (drives ``DelayedScaling.interval``).
+        grad_amax: ``[n]`` float32, not persistent: where a ``torch.compile``-d backward max-accumulates the
+            gradients' amaxes (eager backward writes ``amax_history[:, 0]`` directly); folded into
+            ``amax_history[:, 0]`` and zeroed by :func:`reduce_and_update`. See :mod:`fp8engine.fp8.library`.
 
     Args:
         roles: one name per FP8 tensor; a role ending in ``"grad_output"`` or ``"grad"`` uses the recipe's
@@ -34,6 +37,10 @@ class ScalingState(nn.Module):
         self.register_buffer("amax_history", torch.zeros(n, amax_history_len, dtype=torch.float32, device=device))
         self.register_buffer("scale", torch.ones(n, dtype=torch.float32, device=device))
         self.register_buffer("update_step", torch.zeros((), dtype=torch.int64, device=device))
+        self.register_buffer("grad_amax", torch.zeros(n, dtype=torch.float32, device=device), persistent=False)
+        #: set (while tracing) when a torch.compile-d backward records into ``grad_amax``: only such states pay the
+        #: fold before each update (fp8engine.fp8.library.fold_grad_amax)
+        self.compiled_backward = False
         self._fp8_max_cache: dict = {}
         #: (recipe, record_amax) -> (scale, amax_history, LinearQuantizers per GEMM); see fp8.quantizer
         self._quantizers: dict = {}
@@ -71,6 +78,14 @@ class ScalingState(nn.Module):
             self.resize_history(hist.shape[1])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # a compiled backward's amaxes not yet folded (fp8engine.fp8.library) are saved where eager mode keeps them
+        if self.compiled_backward and bool(self.grad_amax.ne(0).any()):
+            hist = destination[prefix + "amax_history"].detach().clone()
+            hist[:, 0] = torch.maximum(hist[:, 0], self.grad_amax)
+            destination[prefix + "amax_history"] = hist
+
     def extra_repr(self) -> str:
         return f"roles={self.roles}, amax_history_len={self.amax_history.shape[1]}"
 
@@ -95,6 +110,9 @@ def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, am
     states = list(states)
     if not states:
         return
+    from fp8engine.fp8.library import fold_grad_amax
+
+    fold_grad_amax(states)
     if recipe.reduce_amax and amax_group is not None:
         from fp8engine.fp8.amax import all_reduce_current_amax
 
