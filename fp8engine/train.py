@@ -569,7 +569,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         run = prepare(args)
     except UsageError as err:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"fp8engine.train: error: {err}", file=sys.stderr)
+            print(f"fp8engine.train: error: {err}", file=sys.stderr, flush=True)
+        else:  # every rank found the same error; torchrun stops the others at the first exit: let rank 0 say it
+            time.sleep(2.0)
         return 2
     run.layout = init_layout(args.tp, run.device, timeout=args.dist_timeout)
     if run.device.type == "cuda":

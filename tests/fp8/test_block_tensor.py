@@ -1,6 +1,8 @@
 """Float8BlockTensor / quantize_block: per-tile exactness against a float64 reference, the SQNR gain of block over
 per-tensor scaling on data with planted outliers, transposes (exact for 128 x 128 blocks, re-tiled for 1 x 128),
 and the errors."""
+import os
+
 import pytest
 import torch
 
@@ -109,6 +111,8 @@ def test_transposes():
         p.t()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors through the kernels need "
+                    "TRITON_INTERPRET=1 (set by tests/conftest.py when there is no GPU)")
 def test_kernel_and_reference_paths_agree():
     """use_kernel=True runs the Triton kernel (the interpreter on CPU); same bits as the reference."""
     x = _data((3, 50, 256), torch.float32, seed=5)
