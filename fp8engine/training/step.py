@@ -203,7 +203,9 @@ class CUDAGraphStep(TrainStep):
     def _capture(self) -> None:
         for group in self.optimizer.param_groups:
             lr = group["lr"]
-            if not (isinstance(lr, torch.Tensor) and lr.device == self.device):
+            # the device of the step's parameters ("cuda" and "cuda:0" name one device: compare the params')
+            on = group["params"][0].device if group["params"] else self.device
+            if not (isinstance(lr, torch.Tensor) and lr.device == on):
                 raise ValueError(f"CUDAGraphStep needs each learning rate as a tensor on {self.device} (a host value "
                                  f"would be frozen into the graph); got {lr!r}: set it with set_lr")
         torch.cuda.synchronize(self.device)
