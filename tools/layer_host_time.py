@@ -22,7 +22,7 @@ import torch
 
 import fp8engine as fe
 from fp8engine.bench.layer import PlainBlock
-from fp8engine.bench.common import print_table
+from fp8engine.bench.common import fwd_bwd_step, print_table
 
 _LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
@@ -43,22 +43,6 @@ def _parse():
     if args.steps is None:
         args.steps = 50 if args.device == "cuda" else 2
     return args
-
-
-def _step(model, x, dy, recipe):
-    params = list(model.parameters())
-
-    def run():
-        x.grad = None
-        for prm in params:
-            prm.grad = None
-        if recipe is None:
-            y = model(x)
-        else:
-            with fe.autocast(recipe=recipe):
-                y = model(x)
-        y.backward(dy)
-    return run
 
 
 def _host_ms(run, steps: int, device: str) -> float:
@@ -115,7 +99,7 @@ def main():
              ("TransformerLayer fp8 current", ours, fe.CurrentScaling())]
     rows = []
     for name, model, recipe in cases:
-        run = _step(model, x, dy, recipe)
+        run = fwd_bwd_step(model, x, dy, recipe)
         for _ in range(3):  # warm-up: caches, the first scale update, Triton compilation on CUDA
             run()
         row = {"case": name, "host ms": _host_ms(run, args.steps, dev)}

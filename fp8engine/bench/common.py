@@ -132,3 +132,25 @@ def write_json(path: str | None, name: str, rows: Sequence[dict]) -> None:
         return
     with open(path, "w") as f:
         json.dump({"env": env_info(), "name": name, "rows": list(rows)}, f, indent=2)
+
+
+def fwd_bwd_step(model, x, dy, recipe=None, amax_group=None, **fwd_kwargs):
+    """A closure running one forward + backward of ``model`` on ``x`` with output gradient ``dy``, inside
+    ``fp8engine.autocast(recipe=recipe, amax_group=amax_group)`` when ``recipe`` is given (bf16/fp32 otherwise);
+    gradients are reset to None first, as a training step does. ``fwd_kwargs`` go to ``model`` (e.g.
+    ``is_first_microbatch``)."""
+    import fp8engine as fe
+
+    params = list(model.parameters())  # listed once: the module walk is not part of a training step's work
+
+    def run():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        if recipe is None:
+            y = model(x, **fwd_kwargs)
+        else:
+            with fe.autocast(recipe=recipe, amax_group=amax_group):
+                y = model(x, **fwd_kwargs)
+        y.backward(dy)
+    return run

@@ -27,7 +27,8 @@ from torch import nn
 
 import fp8engine as fe
 from fp8engine._cli import CommandParser
-from fp8engine.bench.common import env_info, peak_memory_gib, print_table, time_back_to_back, time_fn, write_json
+from fp8engine.bench.common import (env_info, fwd_bwd_step, peak_memory_gib, print_table, time_back_to_back, time_fn,
+                                    write_json)
 from fp8engine.bench.torchao_ref import torchao_available, torchao_float8
 
 
@@ -77,28 +78,12 @@ def gemm_rows(s: int, b: int, h: int, f: int, tp: int, device: str, iters: int) 
     return rows
 
 
-def _step(model, x, dy, recipe, amax_group=None, **fwd_kwargs):
-    params = list(model.parameters())  # listed once: the module walk is not part of a training step's work
-
-    def run():
-        x.grad = None
-        for p in params:
-            p.grad = None
-        if recipe is None:
-            y = model(x, **fwd_kwargs)
-        else:
-            with fe.autocast(recipe=recipe, amax_group=amax_group):
-                y = model(x, **fwd_kwargs)
-        y.backward(dy)
-    return run
-
-
 def _cached_weights_step(model, x, dy, recipe):
     """Micro-batches 2+ of gradient accumulation (the performance guide's FP8 weight caching): one micro-batch
     with ``is_first_microbatch=True`` casts and keeps the FP8 weights, the timed steps pass False (no weight
     casts, no weight amaxes)."""
-    _step(model, x, dy, recipe, is_first_microbatch=True)()
-    return _step(model, x, dy, recipe, is_first_microbatch=False)
+    fwd_bwd_step(model, x, dy, recipe, is_first_microbatch=True)()
+    return fwd_bwd_step(model, x, dy, recipe, is_first_microbatch=False)
 
 
 def _ours(h, f, heads, device, tp_group=None, fuse_wgrad=False):
@@ -151,7 +136,7 @@ def run_single(args) -> list[dict]:
     for _ in range(args.rounds):  # rows interleaved: a drift of the GPU's speed over the run hits all rows alike
         for name, model, recipe in cases:
             peak_memory_gib(reset=True)
-            step = _cached_weights_step(model, x, dy, recipe) if name == _CACHED else _step(model, x, dy, recipe)
+            step = _cached_weights_step(model, x, dy, recipe) if name == _CACHED else fwd_bwd_step(model, x, dy, recipe)
             times[name][0].append(time_fn(step, warmup=3, iters=args.iters, device=dev))
             times[name][1].append(time_back_to_back(step, steps=5, repeats=args.iters, device=dev))
             times[name][2].append(peak_memory_gib())
@@ -181,7 +166,7 @@ def run_tp(args) -> list[dict]:
     rows, flops = [], layer_flops(s, b, h, f)
     for name, recipe in (("bf16", None), ("fp8 delayed", fe.DelayedScaling())):
         peak_memory_gib(reset=True)
-        ms = time_fn(_step(ours, x, dy, recipe, amax_group=group), warmup=3, iters=args.iters)
+        ms = time_fn(fwd_bwd_step(ours, x, dy, recipe, amax_group=group), warmup=3, iters=args.iters)
         rows.append({"impl": f"fp8engine TransformerLayer {name} tp={tp} sp", "ms": ms,
                      "TFLOP/s per GPU": flops / tp / ms / 1e9, "peak_GiB": peak_memory_gib()})
     if get_group_rank(group) == 0:

@@ -10,24 +10,10 @@ import torch
 
 import fp8engine as fe
 from fp8engine._cli import CommandParser
-from fp8engine.bench.common import env_info, peak_memory_gib, print_table, time_fn, write_json
+from fp8engine.bench.common import env_info, fwd_bwd_step, peak_memory_gib, print_table, time_fn, write_json
 from fp8engine.bench.torchao_ref import torchao_available, torchao_float8
 
 DEFAULT_SHAPES = "8192x4096x16384,8192x16384x4096,8192x4096x4096,4096x4096x4096,2048x2048x2048,1024x1024x1024"
-
-
-def _step(model, x, dy, fp8_recipe=None):
-    def run():
-        x.grad = None
-        for p in model.parameters():
-            p.grad = None
-        if fp8_recipe is None:
-            y = model(x)
-        else:
-            with fe.autocast(recipe=fp8_recipe):
-                y = model(x)
-        y.backward(dy)
-    return run
 
 
 def bench_shape(m: int, k: int, n: int, device: str, iters: int, with_torchao: bool, rounds: int = 1
@@ -50,7 +36,7 @@ def bench_shape(m: int, k: int, n: int, device: str, iters: int, with_torchao: b
     for _ in range(rounds):  # rows interleaved, as in bench layer --rounds
         for name, model, recipe in cases:
             peak_memory_gib(reset=True)
-            times[name][0].append(time_fn(_step(model, x, dy, recipe), warmup=5, iters=iters, device=device))
+            times[name][0].append(time_fn(fwd_bwd_step(model, x, dy, recipe), warmup=5, iters=iters, device=device))
             times[name][1].append(peak_memory_gib())
     rows, base = [], None
     for name, (ms_rounds, peak) in times.items():
