@@ -77,16 +77,15 @@ class Quantizer:
 
     def _kernel_args(self, x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple:
         """``(scale, amax_out, scale_from_amax)`` for a cast kernel writing ``x``: delayed scaling passes its views;
-        current scaling passes ``max |x|`` (from the ``compute_amax`` kernel, one read of ``x``, unless given) as
-        the scale operand and lets the cast kernel derive the scale from it on the device (no torch ops between
-        the two launches, no host synchronisation)."""
+        current scaling passes ``max |x|`` (one read of ``x``, unless given) as the scale operand and lets the cast
+        kernel derive the scale from it on the device (no host synchronisation). The amax is torch's inf-norm
+        reduction (exact: a max of values of ``x``'s dtype; NaN gives NaN, which the kernel, like an inf amax,
+        turns into scale 1.0): one dispatched op where a zero-filled buffer plus a Triton amax launch cost about
+        twice the host time per cast (``python tools/layer_host_profile.py --recipe current``)."""
         if self.delayed:
             return self.scale, self.amax, False
         if amax is None:
-            from fp8engine.kernels.cast import compute_amax
-
-            amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-            compute_amax(x, amax)
+            amax = torch.linalg.vector_norm(x.detach() if x.requires_grad else x, float("inf")).float()
         else:
             amax = amax.float().reshape(1)
         return amax, None, True

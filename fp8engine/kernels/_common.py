@@ -58,14 +58,6 @@ FP8_FORMATS = {
 }
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-#: Stage 2 of the partial-sum reduction (``sum_partials``): column block per program = the power of two that gives
-#: about REDUCE_PROGRAMS programs (clamped to [REDUCE_MIN_N, REDUCE_MAX_N]), REDUCE_TILE elements loaded per loop
-#: step (rows per step = REDUCE_TILE // column block). With 16 programs (a fixed 256-column block) a [528, 4096]
-#: dgamma buffer took 33 us on H200 (one SM per program, latency bound); ~1 wave of programs over all SMs is the fix.
-REDUCE_PROGRAMS = 128
-REDUCE_MIN_N = 32
-REDUCE_MAX_N = 256
-REDUCE_TILE = 4096
 
 
 def interpreting() -> bool:
@@ -122,7 +114,7 @@ def check_hp(x: torch.Tensor, name: str, op: str) -> None:
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
     """View a contiguous tensor as [M, N] with N the last dim (M = product of the leading dims, 1 for 1-D)."""
-    return x.reshape(-1, x.shape[-1])
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
 def fp8_format(fp8_dtype: torch.dtype, op: str) -> tuple[float, bool]:
@@ -323,41 +315,13 @@ def _scale_from_amax(amax, FP8_MAX: tl.constexpr):
     return tl.where(ok, tl.math.div_rn(1.0, tl.where(ok, amax, 1.0)) * FP8_MAX, 1.0)
 
 
-@triton.jit
-def _sum_partials_kernel(
-    part_ptr,  # [P, N] fp32 partial column sums, row-major
-    out_ptr,  # [N] output, element type = requested dtype (sum in fp32, cast on store)
-    P,
-    N,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Stage 2 of the deterministic column reduction: one program sums BLOCK_N columns over all P rows."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        rows = p0 + tl.arange(0, BLOCK_P)
-        m = (rows[:, None] < P) & (cols[None, :] < N)
-        acc += tl.load(part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=m, other=0.0)
-    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
-
-
-def _reduce_blocks(n: int) -> tuple[int, int]:
-    """``(BLOCK_P, BLOCK_N)`` of :func:`sum_partials` for ``n`` columns (a function of ``n`` only, so the summation
-    order, hence the result, is fixed for a given shape)."""
-    block_n = min(REDUCE_MAX_N, max(REDUCE_MIN_N, triton.next_power_of_2(triton.cdiv(n, REDUCE_PROGRAMS))))
-    return REDUCE_TILE // block_n, block_n
-
-
 def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Sum an [P, N] fp32 buffer of partial column sums over P in a fixed order (deterministic) -> [N] out_dtype."""
-    p, n = partials.shape
-    out = torch.empty(n, dtype=out_dtype, device=partials.device)
-    if n == 0:
-        return out
-    if p == 0:
-        return out.zero_()
-    block_p, block_n = _reduce_blocks(n)
-    grid = (triton.cdiv(n, block_n),)
-    _sum_partials_kernel[grid](partials, out, p, n, BLOCK_P=block_p, BLOCK_N=block_n)
-    return out
+    """Sum an [P, N] fp32 buffer of partial column sums over P -> [N] in ``out_dtype`` (summed in fp32, rounded once).
+
+    Stage 2 of the kernels' deterministic column reductions (dbias, dgamma/dbeta): torch's reduction over dim 0,
+    whose order is fixed for a given shape (no atomics), so the result is deterministic. It is one dispatched op
+    (two with the final cast) where a Triton launch of the same reduction cost ~4x the host time per call
+    (30 vs ~8 host us, H100, ``python tools/kernels_vs_memory_floor.py --only host``), and an FP8 layer step makes six
+    of them; the GPU time of the reduction is a few microseconds at the layer shapes here."""
+    out = partials.sum(0)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -181,7 +181,7 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"transpose_fp8: data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
     if not data.is_contiguous():
         raise ValueError("transpose_fp8: data must be contiguous; call .contiguous() first")
-    x2 = data.reshape(-1, data.shape[-1])
+    x2 = as_2d(data)
     m, n = x2.shape
     out = torch.empty((n, m), dtype=data.dtype, device=data.device)
     grid = (max(1, triton.cdiv(m, BYTE_TILE_M)), max(1, triton.cdiv(n, BYTE_TILE_N)))

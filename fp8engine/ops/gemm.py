@@ -33,6 +33,10 @@ def check_gemm_dims(in_features: int, out_features: int, what: str = "Linear") -
                 f"(convert_to_fp8 leaves such layers alone)")
 
 
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
 def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
     rem = t.shape[-1] % multiple
     if rem == 0:
@@ -71,7 +75,9 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
     if n % _ALIGN:
         raise ValueError(f"FP8 GEMM output dim N={n} is not a multiple of 16; pad the feature dim to a multiple of 16")
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
-    out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv.reshape(()), scale_b=b_scale_inv.reshape(()),
+    # 1-element scales go in as they are: _scaled_mm takes numel() == 1 as tensor-wise scaling (a reshape to 0-d
+    # would be one more dispatched op per GEMM on the host's hot path)
+    out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
                            bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     if bias is not None and not fused_bias:
         out = out + bias.to(out_dtype)
@@ -107,8 +113,8 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, bias=N
              transpose_a: bool = False, transpose_b: bool = False, pad_inner: bool = False) -> torch.Tensor:
     """:func:`fp8_mm` on :class:`Float8Tensor` operands viewed as 2-D; ``transpose_a``/``transpose_b`` take their
     transposed FP8 copies (``Float8Tensor.transpose_2d``)."""
-    a_data = a.transpose_2d() if transpose_a else a.data.reshape(-1, a.data.shape[-1])
-    b_data = b.transpose_2d() if transpose_b else b.data.reshape(-1, b.data.shape[-1])
+    a_data = a.transpose_2d() if transpose_a else _as_2d(a.data)
+    b_data = b.transpose_2d() if transpose_b else _as_2d(b.data)
     return fp8_mm(a_data, a.scale_inv, b_data, b.scale_inv, out_dtype, bias=bias, use_fast_accum=use_fast_accum,
                   pad_inner=pad_inner)
 
@@ -129,7 +135,7 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     Args: a ``[M, K]`` / b ``[N, K]`` Float8Tensors (data viewed as 2-D); bias ``[N]``; scale / amax_out
     1-element float32 (``amax_out`` None: amax not recorded).
     """
-    a2, b2 = a.data.reshape(-1, a.data.shape[-1]), b.data.reshape(-1, b.data.shape[-1])
+    a2, b2 = _as_2d(a.data), _as_2d(b.data)
     if not (use_kernels(a2) and a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16)
             and cublaslt.available()):
         return None
