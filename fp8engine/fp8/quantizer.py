@@ -209,9 +209,9 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
     registers ``state`` with ``ctx`` for the update at the region's exit.
 
     Built once per (recipe, ``ctx.record_amax``) and cached on ``state``; rebuilt when the state's buffers were
-    replaced (``.to()``, a history resize), so the views always point at the live buffers, and after
-    :func:`~fp8engine.fp8.stats.fp8_stats_recording` switched counting on or off (it drops the cache). Traced
-    (``torch.compile``) quantizers never count. Raises TypeError for a recipe without quantizers (:func:`recipe_kind`)."""
+    replaced (``.to()``, a history resize), so the views always point at the live buffers. While the state
+    records FP8 stats (:func:`~fp8engine.fp8.stats.fp8_stats_recording`, which swaps in a second cache) the
+    quantizers count their casts; traced (``torch.compile``) ones never do. Raises TypeError for a recipe without quantizers (:func:`recipe_kind`)."""
     recipe = ctx.recipe
     delayed = isinstance(recipe, DelayedScaling)
     if torch.compiler.is_compiling():

@@ -13,8 +13,8 @@ Where the counting happens: every :class:`~fp8engine.fp8.quantizer.Quantizer` bu
 makes adds its counts into small device tensors of that state (``[n, 5]`` int64 counts, ``[n, 2]`` float32 ranges),
 with device ops only (no host synchronisation). They are read once, by :func:`fp8_stats`. When recording is off,
 ``Quantizer.stats`` is None: a cast pays one attribute check and launches nothing more (``tests/fp8/test_stats.py``
-counts the ATen ops of a TransformerLayer's forward and backward). Switching costs one quantizer rebuild per
-state (the cached quantizers are dropped at entry and exit of :func:`fp8_stats_recording`).
+counts the ATen ops of a TransformerLayer's forward and backward). Each state keeps one quantizer cache per mode
+and :func:`fp8_stats_recording` swaps them, so switching rebuilds nothing after the first recording block.
 
 Fused paths that never materialise the high-precision tensor (on CUDA: the norm kernel writing FP8 only, the
 activation kernels writing FP8, cuBLASLt's GELU epilogue, the fused QKV-gradient cast) take their unfused
@@ -154,8 +154,11 @@ def _states(model: nn.Module) -> Iterator[tuple[str, ScalingState]]:
 
 
 def _set_recording(state: ScalingState, on: bool) -> None:
-    state.stats_recording = on
-    state._quantizers.clear()  # rebuilt at the next forward, with (or without) RoleStats
+    """Switch ``state``'s quantizer cache to the set with (or without) RoleStats: each mode keeps its own cache,
+    so after the first recording block a switch rebuilds nothing (no work added to the next forward)."""
+    if state.stats_recording != on:
+        state.stats_recording = on
+        state._quantizers, state._other_quantizers = state._other_quantizers, state._quantizers
 
 
 @contextlib.contextmanager
@@ -167,6 +170,7 @@ def fp8_stats_recording(model: nn.Module, enabled: bool = True):
     :func:`fp8_stats`. Quantizers are built per forward, so what counts is where the *forward* ran: the backward
     casts (grad_output roles) of a forward run inside the block are counted even when ``backward()`` is called
     after it. ``enabled=False`` is a no-op block (the caller's switch). Nothing is synchronised with the host.
+    Blocks do not nest (an inner entry zeroes the counts, an inner exit stops the recording).
 
     Raises:
         ValueError: ``model`` holds no FP8 scaling state (no fp8engine FP8 module).
@@ -182,6 +186,8 @@ def fp8_stats_recording(model: nn.Module, enabled: bool = True):
         c = st.stats_counters
         if c is None or c.counts.device != st.scale.device or c.counts.shape[0] != len(st.roles):
             st.stats_counters = StatsCounters(len(st.roles), st.scale.device)
+            if not st.stats_recording:
+                st._other_quantizers.clear()  # their RoleStats view the old counters
         else:
             c.zero()
         _set_recording(st, True)
