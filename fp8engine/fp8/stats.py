@@ -141,9 +141,9 @@ class StatsCounters:
         return RoleStats(self.counts[row], self.ranges[row], fp8_dtype)
 
     def zero(self) -> None:
+        """Start a new count (``formats`` stay: cached quantizers keep their RoleStats and format)."""
         self.counts.zero_()
         self.ranges.zero_()
-        self.formats = [None] * len(self.formats)
 
 
 def _states(model: nn.Module) -> Iterator[tuple[str, ScalingState]]:

@@ -259,3 +259,4 @@ def test_entry_zeroes_the_counters():
             _fwd_bwd(layer, x, fe.DelayedScaling())
         casts = [st.stats_counters.counts[:, 4].tolist() for st in layer.modules() if isinstance(st, ScalingState)]
         assert casts == [[1, 1, 1], [1, 1, 1], [1] * 6]
+        assert all(r.format in ("e4m3", "e5m2") and r.amax > 0 for r in fp8_stats(layer))
