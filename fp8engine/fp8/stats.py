@@ -41,10 +41,12 @@ tensor, ``scale`` the scale the cast used, ``q`` the FP8 result; one row per rol
   scaling it counts the amax element whenever ``fp8_max / amax`` rounds up (``amax * scale`` is one float32
   step above ``fp8_max`` for about one amax in five), a saturation that never changes an FP8 value.
 
-Scope: one process's casts (rank 0's in the training command; a tensor-parallel rank sees its own shards). Casts in
-a ``torch.compile``-d region and FP8 weight copies reused from the weight cache (``is_first_microbatch=False``) are
-not counted; activation-checkpointing recomputes do not count forward roles twice. A role with no counted cast has
-``amax``, ``underflow_pct``, ``saturation_pct`` and ``format`` None and the state's current ``scale`` buffer.
+Scope: one process's casts (rank 0's in the training command; a tensor-parallel rank sees its own shards). Not
+counted: casts in a ``torch.compile``-d region, FP8 weight copies reused from the weight cache
+(``is_first_microbatch=False``), and forward roles in regions that record no amaxes (``FP8Context.record_amax``
+False: activation-checkpoint recomputes, which would count them twice, and the training command's evaluation
+forwards). A role with no counted cast has ``amax``, ``underflow_pct``, ``saturation_pct`` and ``format`` None and
+the state's current ``scale`` buffer.
 """
 from __future__ import annotations
 
@@ -213,8 +215,10 @@ def fp8_stats(model: nn.Module) -> list[FP8StatsRow]:
         c = st.stats_counters
         if c is None:
             c = StatsCounters(len(st.roles), st.scale.device)
-        packed.append(torch.cat([c.counts.double(), c.ranges.double(), st.scale.detach().double()[:, None]], 1))
-    table = torch.cat(packed).cpu().tolist()  # the only host read
+        dev = st.scale.device  # the counters stay where they were made; the state may have moved since
+        packed.append(torch.cat([c.counts.to(dev, torch.float64), c.ranges.to(dev, torch.float64),
+                                 st.scale.detach().double()[:, None]], 1))
+    table = torch.cat([p.to(packed[0].device) for p in packed]).cpu().tolist()  # the only host read
     rows, i = [], 0
     for name, st in found:
         formats = st.stats_counters.formats if st.stats_counters is not None else [None] * len(st.roles)
