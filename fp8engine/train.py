@@ -527,17 +527,19 @@ def _one_step(run: Run, step_fn: TrainStep, optimizer: torch.optim.Optimizer, st
     loss, bad = all_reduce_sum([local, bad], layout.dp_group, run.device)
     record = {"step": step, "loss": loss / layout.dp_size, "lr": lr, "found_inf": bad > 0,
               "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
-    if stats_step:  # this rank's casts (rank 0 writes metrics.jsonl)
+    if stats_step and layout.is_main:  # rank 0's casts (rank 0 writes metrics.jsonl)
         record[STATS_KEY] = rows_to_json(fp8_stats(model))
     return record
 
 
-def _plot_health(run: Run) -> None:
-    """Redraw ``fp8_health.png`` from ``metrics.jsonl`` (main rank, ``--fp8-stats`` runs with ``--out``)."""
+def _plot_health(run: Run, records: Optional[list[dict[str, Any]]] = None) -> None:
+    """Redraw ``fp8_health.png`` from ``metrics.jsonl`` (or its ``records`` read already; main rank,
+    ``--fp8-stats`` runs with ``--out``)."""
     if run.out is None or not run.args.fp8_stats or not run.layout.is_main:
         return
     a = run.args
-    plot_fp8_health(read_metrics(run.out / "metrics.jsonl"), run.out / HEALTH_PLOT_NAME,
+    records = read_metrics(run.out / "metrics.jsonl") if records is None else records
+    plot_fp8_health(records, run.out / HEALTH_PLOT_NAME,
                     title=f"FP8 health: {a.model} GPT, {a.recipe} scaling, every {a.fp8_stats} steps")
 
 
@@ -590,7 +592,7 @@ def _finish(run: Run, model: GPT, last_step: int) -> None:
     records = read_metrics(run.out / "metrics.jsonl") if run.out else []
     if run.out is not None and records:
         plot_losses(records, run.out / PLOT_NAME, title=f"{run.args.model} GPT, {run.args.precision}")
-    _plot_health(run)
+    _plot_health(run, records)
     if last_step == run.args.steps and run.args.sample_tokens > 0 and run.layout.tp_size == 1:
         text = sample(run, model, run.args.sample_tokens)
         print(f"--- sample (temperature {_SAMPLE_TEMPERATURE}, top-k {_SAMPLE_TOP_K}) ---\n{text}\n---")
