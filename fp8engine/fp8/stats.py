@@ -172,7 +172,9 @@ def fp8_stats_recording(model: nn.Module, enabled: bool = True):
     :func:`fp8_stats`. Quantizers are built per forward, so what counts is where the *forward* ran: the backward
     casts (grad_output roles) of a forward run inside the block are counted even when ``backward()`` is called
     after it. ``enabled=False`` is a no-op block (the caller's switch). Nothing is synchronised with the host.
-    Blocks do not nest (an inner entry zeroes the counts, an inner exit stops the recording).
+    Blocks do not nest (an inner entry zeroes the counts, an inner exit stops the recording). Work replayed from a
+    CUDA graph captured outside the block (``make_graphed_callables``, the training command's ``CUDAGraphStep``)
+    runs no Python and counts nothing: its rows stay "not counted" (None); run such steps eagerly to record them.
 
     Raises:
         ValueError: ``model`` holds no FP8 scaling state (no fp8engine FP8 module).
