@@ -1,7 +1,8 @@
 """fp8engine: FP8 mixed-precision training for PyTorch transformers, pure Python (Triton + torch._scaled_mm).
 
 Public API (TransformerEngine names): recipes, ``autocast``/``fp8_autocast``, ``Float8Tensor``/``quantize``,
-the FP8 ``Linear`` and layers, ``convert_to_fp8``; models in ``fp8engine.models``, tensor/sequence parallelism in
+the FP8 ``Linear`` and layers, ``convert_to_fp8``, the FP8 health report ``fp8_stats`` /
+``fp8_stats_recording``; models in ``fp8engine.models``, tensor/sequence parallelism in
 ``fp8engine.parallel``, the Flax frontend in ``fp8engine.jax``.
 
 The torch-side names load on first use (PEP 562), so ``import fp8engine.jax`` and ``fp8engine.recipe`` work
@@ -26,6 +27,8 @@ _LAZY = {
     "LayerNorm": "fp8engine.modules.norm", "RMSNorm": "fp8engine.modules.norm",
     "LayerNormLinear": "fp8engine.modules.layernorm_linear", "LayerNormMLP": "fp8engine.modules.layernorm_mlp",
     "MultiheadAttention": "fp8engine.modules.attention", "TransformerLayer": "fp8engine.modules.transformer",
+    "fp8_stats": "fp8engine.fp8.stats", "fp8_stats_recording": "fp8engine.fp8.stats",
+    "format_fp8_stats": "fp8engine.fp8.stats", "FP8StatsRow": "fp8engine.fp8.stats",
 }
 
 __all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8BlockScaling", *_LAZY]

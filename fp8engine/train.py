@@ -28,6 +28,12 @@ skipped steps in a row. A checkpoint is never written from non-finite weights. T
 checkpoints are kept with CRC-32 sidecars; ``--resume`` reports a damaged one in one line and falls back to the
 newest that loads. In a multi-process run a failed or timed-out collective (another rank died;
 ``--dist-timeout``) ends every surviving process with one line and exit status 1.
+
+FP8 health (``--fp8-stats N``): every N-th step counts, for every FP8 tensor role, amax, scale, underflow % and
+saturation % (:mod:`fp8engine.fp8.stats`, on the device), stores the rows in that step's ``metrics.jsonl`` object
+(:mod:`fp8engine.training.fp8_health`) and redraws ``fp8_health.png`` at every checkpoint and at the end. With the
+CUDA graph on, those steps run eagerly outside the graph (the counting switches are host-side, which a replay does
+not see); the other steps replay it.
 """
 from __future__ import annotations
 
@@ -63,6 +69,8 @@ from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
 from fp8engine.training.step import CUDAGraphStep, TrainStep, capture_problem, make_optimizer, set_lr
 from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
+from fp8engine.training.fp8_health import HEALTH_PLOT_NAME, STATS_KEY, plot_fp8_health, rows_to_json
+from fp8engine.fp8.stats import fp8_stats, fp8_stats_recording
 from fp8engine._cpu import prefer_avx2_cpu_kernels
 
 __all__ = ["main", "build_parser", "lr_at"]
@@ -120,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
                    help="checkpoints kept in --out (newest first; --resume falls back to an older one when the "
                         "newest is damaged); at least 2")
+    p.add_argument("--fp8-stats", type=int, default=0, metavar="N",
+                   help="every N steps record each FP8 tensor's amax, scale, underflow %% and saturation %% into "
+                        "metrics.jsonl and draw fp8_health.png (with CUDA graphs those steps run eagerly); 0: off")
     p.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="multi-process runs: a collective waiting longer than this (another process died or "
                         "hangs) ends the run with an error")
@@ -129,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 #: Integer flags that must be >= the bound when given (0 is a value, not "unset").
 _MIN_INT = {"steps": 1, "stop_at": 1, "batch_size": 1, "seq_len": 1, "n_layer": 1, "n_head": 1, "hidden_size": 1,
             "ffn_hidden_size": 1, "grad_accum": 1, "eval_interval": 1, "eval_iters": 1, "tp": 1,
-            "warmup_steps": 0, "sample_tokens": 0, "skip_nonfinite": 0, "keep_checkpoints": 2}
+            "warmup_steps": 0, "sample_tokens": 0, "skip_nonfinite": 0, "keep_checkpoints": 2,
+            "fp8_stats": 0}
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -185,6 +197,8 @@ def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.world_size = env_world_size()
     if args.resume and not args.out:
         raise UsageError("--resume needs --out DIR, the directory of the run to continue")
+    if args.fp8_stats and args.precision != "fp8":
+        raise UsageError(f"--fp8-stats counts FP8 casts; it needs --precision fp8 (got --precision {args.precision})")
     if args.compile and args.precision == "fp8":
         # The FP8 path is built for eager speed; under torch.compile the delayed-scaling bookkeeping (state
         # registration with the autocast region, amax recording into buffers) is not traced faithfully.
@@ -456,7 +470,7 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
     with _GracefulStop(enabled=run.layout.world_size == 1) as stop:
         try:
             for step in range(start + 1, end + 1):
-                record = _one_step(run, step_fn, optimizer, step, tokens_per_step)
+                record = _one_step(run, step_fn, optimizer, step, tokens_per_step, model)
                 if record.pop("found_inf"):
                     skipped += 1
                     what = (f"non-finite loss ({record['loss']}) or gradient norm at step {step}; the step was not "
@@ -481,6 +495,7 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
                 bar.update(1)
                 if "val_loss" in record or step == end or stop.requested:
                     _save(run, model, optimizer, step)
+                    _plot_health(run)
                 if stop.requested:
                     bar.write(f"stopped at step {step}" + (f"; continue with --resume --out {run.out}"
                                                            if run.out else ""))
@@ -492,22 +507,40 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
 
 
 def _one_step(run: Run, step_fn: TrainStep, optimizer: torch.optim.Optimizer, step: int,
-              tokens_per_step: int) -> dict[str, Any]:
-    """Run optimizer step ``step``; the loss is read back (one host synchronisation) once the step is done."""
+              tokens_per_step: int, model: Optional[GPT] = None) -> dict[str, Any]:
+    """Run optimizer step ``step``; the loss is read back (one host synchronisation) once the step is done.
+    On ``--fp8-stats`` steps (``model`` given) the step runs eagerly with FP8 stats recording and the record gets
+    ``model``'s stats rows (one more read)."""
     args, layout = run.args, run.layout
     lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
     t0 = time.perf_counter()
     set_lr(optimizer, lr)
     xs, ys = step_batches(run, step)
-    loss_t = step_fn(xs, ys)
+    stats_step = model is not None and args.fp8_stats > 0 and step % args.fp8_stats == 0
+    with fp8_stats_recording(model, enabled=stats_step):
+        loss_t = step_fn(xs, ys, eager=stats_step)
     found = step_fn.found_inf
     if found is None:
         local, bad = loss_t.item(), 0.0
     else:  # one read for both: the flag rides with the loss the host reads anyway
         local, bad = torch.stack([loss_t.detach().float(), found]).tolist()
     loss, bad = all_reduce_sum([local, bad], layout.dp_group, run.device)
-    return {"step": step, "loss": loss / layout.dp_size, "lr": lr, "found_inf": bad > 0,
-            "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
+    record = {"step": step, "loss": loss / layout.dp_size, "lr": lr, "found_inf": bad > 0,
+              "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
+    if stats_step and layout.is_main:  # rank 0's casts (rank 0 writes metrics.jsonl)
+        record[STATS_KEY] = rows_to_json(fp8_stats(model))
+    return record
+
+
+def _plot_health(run: Run, records: Optional[list[dict[str, Any]]] = None) -> None:
+    """Redraw ``fp8_health.png`` from ``metrics.jsonl`` (or its ``records`` read already; main rank,
+    ``--fp8-stats`` runs with ``--out``)."""
+    if run.out is None or not run.args.fp8_stats or not run.layout.is_main:
+        return
+    a = run.args
+    records = read_metrics(run.out / "metrics.jsonl") if records is None else records
+    plot_fp8_health(records, run.out / HEALTH_PLOT_NAME,
+                    title=f"FP8 health: {a.model} GPT, {a.recipe} scaling, every {a.fp8_stats} steps")
 
 
 def sample(run: Run, model: GPT, num_tokens: int) -> str:
@@ -541,10 +574,16 @@ def _describe(run: Run, model: GPT) -> str:
         graphs = "\n  CUDA graphs: the training step is captured after 2 eager steps and replayed (--no-cuda-graphs: off)"
     else:
         graphs = f"\n  CUDA graphs: off ({'--no-cuda-graphs' if not a.cuda_graphs else run.graph_problem})"
+    stats = ""
+    if a.fp8_stats:
+        stats = (f"\n  FP8 stats: every {a.fp8_stats} steps into metrics.jsonl" + (" and fp8_health.png" if run.out
+                                                                                   else " (no --out: not kept)"))
+        if run.device.type == "cuda" and a.cuda_graphs and run.graph_problem is None:
+            stats += "; those steps run eagerly, outside the CUDA graph (a replay cannot switch the counting on)"
     return (f"fp8engine.train: {a.model} GPT, {model.num_params():,} parameters{' per rank' if par else ''}, "
             f"{a.precision}{fp8} on {run.device}{par}\n  data: {run.data.description}; {len(run.data.train):,} train / "
             f"{len(run.data.val):,} val tokens\n  {a.steps} steps x {a.grad_accum} x {a.batch_size} x "
-            f"{a.seq_len} tokens, AdamW lr {a.lr:g} (warm-up {a.warmup_steps}, cosine){graphs}")
+            f"{a.seq_len} tokens, AdamW lr {a.lr:g} (warm-up {a.warmup_steps}, cosine){graphs}{stats}")
 
 
 def _finish(run: Run, model: GPT, last_step: int) -> None:
@@ -553,12 +592,14 @@ def _finish(run: Run, model: GPT, last_step: int) -> None:
     records = read_metrics(run.out / "metrics.jsonl") if run.out else []
     if run.out is not None and records:
         plot_losses(records, run.out / PLOT_NAME, title=f"{run.args.model} GPT, {run.args.precision}")
+    _plot_health(run, records)
     if last_step == run.args.steps and run.args.sample_tokens > 0 and run.layout.tp_size == 1:
         text = sample(run, model, run.args.sample_tokens)
         print(f"--- sample (temperature {_SAMPLE_TEMPERATURE}, top-k {_SAMPLE_TOP_K}) ---\n{text}\n---")
     if run.out is not None:
         ckpt = run.out / (CHECKPOINT_NAME if run.layout.world_size == 1 else SHARDED_DIR)
-        print(f"wrote {run.out / 'metrics.jsonl'}, {ckpt}, {run.out / PLOT_NAME}")
+        health = f", {run.out / HEALTH_PLOT_NAME}" if run.args.fp8_stats else ""
+        print(f"wrote {run.out / 'metrics.jsonl'}, {ckpt}, {run.out / PLOT_NAME}{health}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

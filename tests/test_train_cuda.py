@@ -61,6 +61,23 @@ def test_graphed_resume_is_exact(tmp_path, recipe):
 
 
 @cuda
+def test_graphed_run_with_fp8_stats_matches_eager(tmp_path):
+    """``--fp8-stats 3``: steps 3, 6, 9 run eagerly outside the graph (step 3 before the capture, 6 and 9 between
+    replays) with the counting on; the graphed run logs the eager run's losses and stats rows exactly."""
+    flags = ["--steps", "10", "--eval-interval", "5", "--fp8-stats", "3"]
+    logs = {}
+    for name, extra in (("graph", []), ("eager", ["--no-cuda-graphs"])):
+        assert main([*_SMALL, "--out", str(tmp_path / name), *flags, *extra]) == 0
+        logs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert (tmp_path / name / "fp8_health.png").exists()
+    graph, eager = logs["graph"], logs["eager"]
+    assert [r["step"] for r in graph if "fp8_stats" in r] == [3, 6, 9]
+    assert [r["loss"] for r in graph] == [r["loss"] for r in eager]
+    assert [r.get("fp8_stats") for r in graph] == [r.get("fp8_stats") for r in eager]
+    assert all(row["underflow_pct"] is not None for r in graph if "fp8_stats" in r for row in r["fp8_stats"])
+
+
+@cuda
 def test_gpt_forward_backward_as_the_command_runs_it():
     """fp32 parameters, bf16 autocast around the FP8 region: finite loss and gradients for every parameter, and
     the FP8 loss within 0.05 of the bf16 one at init (both ~ln(256); FP8 adds per-tensor quantisation noise)."""

@@ -220,6 +220,8 @@ _BAD_FLAGS = {
     "keep-checkpoints 1": (["--keep-checkpoints", "1"], "--keep-checkpoints must be >= 2"),
     "skip-nonfinite -1": (["--skip-nonfinite", "-1"], "--skip-nonfinite must be >= 0"),
     "dist-timeout 0": (["--dist-timeout", "0"], "--dist-timeout must be a positive"),
+    "fp8-stats -1": (["--fp8-stats", "-1"], "--fp8-stats must be >= 0; got -1"),
+    "fp8-stats bf16": (["--fp8-stats", "2", "--precision", "bf16"], "--fp8-stats counts FP8 casts; it needs --precision fp8"),
     "lr nan": (["--lr", "nan"], "--lr must be a positive finite"),
     "dropout 1": (["--dropout", "1"], "--dropout must be in [0, 1)"),
     "out under a file": (["--out", "/etc/passwd/x"], "/etc/passwd is a file"),

@@ -56,12 +56,16 @@ class Quantizer:
         amax: delayed: ``[1]`` float32 view of the state's ``amax_history[row, 0]``, or None when the amax is not
             recorded; current: None.
         role: the role name (for messages).
+        stats: a :class:`~fp8engine.fp8.stats.RoleStats` every cast counts underflow / saturation into (built
+            while the state records, :func:`~fp8engine.fp8.stats.fp8_stats_recording`), or None: then a cast pays
+            one attribute check and nothing else. Fused callers that write FP8 without :meth:`quantize` take their
+            unfused path while it is set.
     """
 
-    __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed", "state", "row")
+    __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed", "state", "row", "stats")
 
     def __init__(self, fp8_dtype: torch.dtype, kind: str, scale: Optional[torch.Tensor] = None,
-                 amax: Optional[torch.Tensor] = None, role: str = "", state=None, row: int = -1):
+                 amax: Optional[torch.Tensor] = None, role: str = "", state=None, row: int = -1, stats=None):
         if kind not in ("delayed", "current"):
             raise ValueError(f"Quantizer kind must be 'delayed' or 'current', got {kind!r}")
         if kind == "delayed" and scale is None:
@@ -70,6 +74,7 @@ class Quantizer:
         self.delayed = kind == "delayed"
         # delayed scaling: the ScalingState and row the views come from (torch.compile re-slices them in the trace)
         self.state, self.row = state, row
+        self.stats = stats
 
     @property
     def record_amax(self) -> bool:
@@ -103,14 +108,28 @@ class Quantizer:
             scale, amax_out, from_amax = self._kernel_args(x, amax)
             data, data_t, scale_inv = cast_to_fp8(x, scale, self.fp8_dtype, amax_out, transpose=transpose,
                                                   scale_from_amax=from_amax)
+            if self.stats is not None:
+                self._record(x, data, scale, from_amax)
             return Float8Tensor(data, scale_inv, x.dtype, data_t)
         if not self.delayed:
             if amax is None:
                 amax = x.detach().abs().amax()
-            return quantize_torch(x, self.fp8_dtype, current_scale(amax, self.fp8_dtype), None, transpose)
+            scale = current_scale(amax, self.fp8_dtype)
+            out = quantize_torch(x, self.fp8_dtype, scale, None, transpose)
+            if self.stats is not None:
+                self.stats.record(x, out.data, scale)
+            return out
         if self.state is not None and torch.compiler.is_compiling():
             return quantize_torch(x, self.fp8_dtype, *self._compiled_views(), transpose)
-        return quantize_torch(x, self.fp8_dtype, self.scale, self.amax, transpose)
+        out = quantize_torch(x, self.fp8_dtype, self.scale, self.amax, transpose)
+        if self.stats is not None:
+            self.stats.record(x, out.data, self.scale)
+        return out
+
+    def _record(self, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, from_amax: bool) -> None:
+        """Count a kernel cast into ``stats``; ``scale`` is the kernel's scale operand (the amax when
+        ``from_amax``: the kernel derived ``current_scale(amax)`` from it on the device, the same formula)."""
+        self.stats.record(x, data, current_scale(scale, self.fp8_dtype) if from_amax else scale)
 
     def _compiled_views(self) -> tuple:
         """``(scale, amax)`` sliced from the live state buffers inside a ``torch.compile`` trace (AOTAutograd sees
@@ -139,6 +158,8 @@ class Quantizer:
             scale, amax_out, from_amax = self._kernel_args(dy)
             data, data_t, scale_inv, db = cast_transpose_dbias(dy, scale, self.fp8_dtype, amax_out,
                                                                scale_from_amax=from_amax)
+            if self.stats is not None:
+                self._record(dy, data, scale, from_amax)
             return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
         dy_fp8 = self.quantize(dy, transpose=transpose)
         return dy_fp8, (dy.sum(0, dtype=torch.float32).to(dy.dtype) if dbias else None)
@@ -161,17 +182,22 @@ def _is_grad(role: str) -> bool:
     return role.endswith("grad") or role.endswith("grad_output")
 
 
-def _build(state, recipe, record_amax: bool) -> tuple:
+def _build(state, recipe, record_amax: bool, counters=None) -> tuple:
+    """Quantizers of every GEMM of ``state``; with ``counters`` (the state's
+    :class:`~fp8engine.fp8.stats.StatsCounters` while it records) each role counts its casts, except forward roles
+    of a recompute (``record_amax`` False: counted in the first forward)."""
     kind = recipe_kind(recipe)
     fwd, bwd = fp8_dtype_of(recipe.fp8_format.fwd), fp8_dtype_of(recipe.fp8_format.bwd)
     qs = []
     for i, role in enumerate(state.roles):
         grad = _is_grad(role)
+        dtype = bwd if grad else fwd
+        stats = counters.role(i, dtype) if counters is not None and (grad or record_amax) else None
         if kind == "delayed":
             amax = state.amax_history[i, 0:1] if (grad or record_amax) else None
-            qs.append(Quantizer(bwd if grad else fwd, kind, state.scale[i:i + 1], amax, role, state, i))
+            qs.append(Quantizer(dtype, kind, state.scale[i:i + 1], amax, role, state, i, stats))
         else:
-            qs.append(Quantizer(bwd if grad else fwd, kind, role=role))
+            qs.append(Quantizer(dtype, kind, role=role, stats=stats))
     return tuple(LinearQuantizers(*qs[i:i + 3]) for i in range(0, len(qs) - len(qs) % 3, 3))
 
 
@@ -182,8 +208,9 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
     registers ``state`` with ``ctx`` for the update at the region's exit.
 
     Built once per (recipe, ``ctx.record_amax``) and cached on ``state``; rebuilt when the state's buffers were
-    replaced (``.to()``, a history resize), so the views always point at the live buffers.
-    Raises TypeError for a recipe without quantizers (:func:`recipe_kind`)."""
+    replaced (``.to()``, a history resize), so the views always point at the live buffers. While the state
+    records FP8 stats (:func:`~fp8engine.fp8.stats.fp8_stats_recording`, which swaps in a second cache) the
+    quantizers count their casts; traced (``torch.compile``) ones never do. Raises TypeError for a recipe without quantizers (:func:`recipe_kind`)."""
     recipe = ctx.recipe
     delayed = isinstance(recipe, DelayedScaling)
     if torch.compiler.is_compiling():
@@ -211,7 +238,8 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
     if hit is None or hit[0] is not state.scale or hit[1] is not state.amax_history:
         if len(cache) >= _CACHE_SIZE:
             cache.clear()
-        hit = (state.scale, state.amax_history, _build(state, recipe, record))
+        counters = state.stats_counters if state.stats_recording else None
+        hit = (state.scale, state.amax_history, _build(state, recipe, record, counters))
         cache[key] = hit
     cache[None] = (recipe, record, hit[0], hit[1], hit[2])
     return hit[2]

@@ -44,6 +44,12 @@ class ScalingState(nn.Module):
         self._fp8_max_cache: dict = {}
         #: (recipe, record_amax) -> (scale, amax_history, LinearQuantizers per GEMM); see fp8.quantizer
         self._quantizers: dict = {}
+        #: FP8 health counters (fp8engine.fp8.stats.StatsCounters, device tensors; not buffers: not in state_dict),
+        #: whether quantizers built now count into them, and the quantizer cache of the other mode (swapped with
+        #: ``_quantizers`` on every switch, so switching rebuilds nothing); set by fp8engine.fp8.stats
+        self.stats_counters = None
+        self.stats_recording = False
+        self._other_quantizers: dict = {}
 
     def index(self, role: str) -> int:
         return self.roles.index(role)

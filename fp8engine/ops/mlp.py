@@ -115,7 +115,7 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
 
     fwd = getattr(ka, _KERNELS[kind][0])
     h = h.contiguous()
-    if not quantizer.delayed:
+    if not quantizer.delayed or quantizer.stats is not None:  # stats recording counts the written act(h)
         return quantizer.quantize(fwd(h, return_hp=True)[0], transpose=transpose)
     _, y8, scale_inv = fwd(h, scale=quantizer.scale, fp8_dtype=quantizer.fp8_dtype, amax_out=quantizer.amax)
     # the byte transpose (when ``transpose``) is left to the consumer's first ``transpose_2d()`` call, which comes
@@ -139,7 +139,7 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
 
     bwd = getattr(ka, _KERNELS[kind][1])
     da, h = da.contiguous(), h.contiguous()
-    if not quantizer.delayed:
+    if not quantizer.delayed or quantizer.stats is not None:  # stats recording counts the written dh
         dh, _, _, db = bwd(da, h, None, None)
         return quantizer.quantize(dh, transpose=transpose), (db if dbias else None)
     dh8, dh8_t, scale_inv, db = bwd(da, h, quantizer.scale, quantizer.fp8_dtype, quantizer.amax)
@@ -156,7 +156,8 @@ def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.
     the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise :func:`fp8_gemm`
     then :func:`act_fwd_cast`.
     """
-    if gelu_epilogue and kind == "gelu" and b1 is not None and quantizer.delayed and use_kernels(x_fp8.data):
+    if (gelu_epilogue and kind == "gelu" and b1 is not None and quantizer.delayed and quantizer.stats is None
+            and use_kernels(x_fp8.data)):  # not while FP8 stats record: they need the high-precision activation
         fused = fp8_gemm_bias_gelu(x_fp8, w1_fp8, b1, out_dtype, quantizer.scale, quantizer.fp8_dtype,
                                    quantizer.amax)
         if fused is not None:

@@ -58,8 +58,10 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         res = {}
         if residual is not None:
             res = dict(residual=residual.contiguous(), residual_out=torch.empty_like(x))
-        delayed = quantizer is not None and quantizer.delayed
-        return_hp = return_hp or not delayed  # the separate cast of current scaling reads y
+        # fused cast for delayed scaling; current scaling, and FP8 stats recording (fp8engine.fp8.stats: counts
+        # need y), write y and cast it separately
+        delayed = quantizer is not None and quantizer.delayed and quantizer.stats is None
+        return_hp = return_hp or not delayed  # the separate cast reads y
         scale = fp8_dtype = amax_out = None
         if delayed:
             scale, fp8_dtype, amax_out = quantizer.scale, quantizer.fp8_dtype, quantizer.amax

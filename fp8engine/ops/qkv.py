@@ -65,7 +65,7 @@ class _FP8LinearQKV(torch.autograd.Function):
         need_db = ctx.needs_input_grad[2]
         need_dw = ctx.needs_input_grad[1] or ctx.fuse_wgrad
         q = ctx.grad_quantizer
-        if q.delayed and dq is not None and dk is not None and dv is not None and use_kernels(dq):
+        if q.delayed and q.stats is None and dq is not None and dk is not None and dv is not None and use_kernels(dq):
             from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
 
             data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax)

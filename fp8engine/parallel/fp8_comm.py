@@ -65,7 +65,7 @@ def cast_and_all_gather_fp8(x: torch.Tensor, quantizer: Quantizer, group) -> tup
     """
     if quantizer.delayed:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device) if quantizer.record_amax else None
-        local = Quantizer(quantizer.fp8_dtype, "delayed", quantizer.scale, amax).quantize(x)
+        local = Quantizer(quantizer.fp8_dtype, "delayed", quantizer.scale, amax, stats=quantizer.stats).quantize(x)
         total, work = all_gather_fp8_bytes(local, group, async_op=True)
         amax_work = dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group, async_op=True) \
             if amax is not None else None

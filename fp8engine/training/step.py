@@ -93,8 +93,9 @@ class TrainStep:
         guard: a :class:`~fp8engine.training.guard.NonFiniteGuard` of the model, or None (no check): a step whose
             loss or gradient norm is not finite then leaves weights, optimizer state and FP8 buffers unchanged,
             and ``found_inf`` (float32 device scalar, 0/1) says so after each call.
-    ``__call__(xs, ys)`` takes ``[grad_accum, b, s]`` int64 token and target ids (any device) and returns the mean
-    loss over the micro-batches as a device scalar (this process's share; the caller reduces over data parallel).
+    ``__call__(xs, ys, eager=False)`` takes ``[grad_accum, b, s]`` int64 token and target ids (any device) and
+    returns the mean loss over the micro-batches as a device scalar (this process's share; the caller reduces over
+    data parallel). ``eager`` asks for a step run op by op (always so here; see :class:`CUDAGraphStep`).
     """
 
     def __init__(self, step_model: torch.nn.Module, params: list, optimizer: torch.optim.Optimizer,
@@ -143,7 +144,7 @@ class TrainStep:
             self.guard.restore_if_found()
         return mean
 
-    def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    def __call__(self, xs: torch.Tensor, ys: torch.Tensor, eager: bool = False) -> torch.Tensor:
         return self._step(xs.to(self.device, non_blocking=True), ys.to(self.device, non_blocking=True))
 
 
@@ -153,6 +154,9 @@ class CUDAGraphStep(TrainStep):
     Same arguments as :class:`TrainStep` (no ``after_backward``: multi-process runs are not captured), plus
     ``warmup`` (>= 1) eager steps before the capture. Inputs are copied into static device buffers; the
     returned loss is a static device tensor overwritten by the next call (read it before calling again).
+    ``__call__(xs, ys, eager=True)`` runs that one step eagerly, outside the graph, on the same parameters,
+    optimizer state and FP8 buffers (work whose host-side switches a replay would not see, e.g. FP8 stats
+    recording, :func:`fp8engine.fp8.stats.fp8_stats_recording`); the replays before and after are unaffected.
 
     Raises:
         ValueError: not on CUDA, ``warmup < 1``, or a later call with other shapes than the captured ones.
@@ -169,6 +173,8 @@ class CUDAGraphStep(TrainStep):
         self.warmup, self.steps_done = warmup, 0
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._xs = self._ys = self._loss = None
+        # the grad norm and the guard's flag that the graph writes (an eager step in between rebinds both)
+        self._graph_outputs: Optional[tuple] = None
 
     @property
     def captured(self) -> bool:
@@ -184,8 +190,11 @@ class CUDAGraphStep(TrainStep):
         self._xs.copy_(xs, non_blocking=True)
         self._ys.copy_(ys, non_blocking=True)
 
-    def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    def __call__(self, xs: torch.Tensor, ys: torch.Tensor, eager: bool = False) -> torch.Tensor:
         self._load(xs, ys)
+        if eager and self.steps_done >= self.warmup:
+            self.steps_done += 1
+            return self._step(self._xs, self._ys)  # rebinds grad_norm and guard.found_inf to its own tensors
         if self.steps_done < self.warmup:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -196,6 +205,9 @@ class CUDAGraphStep(TrainStep):
             return loss
         if self.graph is None:
             self._capture()
+        self.grad_norm, found_inf = self._graph_outputs
+        if self.guard is not None:
+            self.guard.found_inf = found_inf
         self.graph.replay()
         self.steps_done += 1
         return self._loss
@@ -214,3 +226,4 @@ class CUDAGraphStep(TrainStep):
         with torch.cuda.graph(graph):
             self._loss = self._step(self._xs, self._ys)
         self.graph = graph
+        self._graph_outputs = (self.grad_norm, None if self.guard is None else self.guard.found_inf)
