@@ -25,8 +25,8 @@ Failures: a step whose loss or global gradient norm is NaN/inf changes nothing (
 scaling buffers; :mod:`fp8engine.training.guard`, checked on the device and read with the loss); the run then
 stops with one line naming the step and exit status 3, or with ``--skip-nonfinite N`` goes on, stopping after N
 skipped steps in a row. A checkpoint is never written from non-finite weights. The last ``--keep-checkpoints``
-checkpoints are kept with CRC-32 sidecars; ``--resume`` reports a damaged one in one line and falls back to the
-newest that loads. In a multi-process run a failed or timed-out collective (another rank died;
+checkpoints are kept with CRC-32 sidecars (multi-process runs: the last K step folders with checksums); ``--resume``
+reports a damaged one in one line and falls back to the newest that loads (on every process). In a multi-process run a failed or timed-out collective (another rank died;
 ``--dist-timeout``) ends every surviving process with one line and exit status 1.
 """
 from __future__ import annotations
@@ -58,8 +58,9 @@ from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, captur
                                            load_checkpoint, restore_rng_state, save_checkpoint)
 from fp8engine.training.guard import NonFiniteGuard
 from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm, env_world_size,
-                                            SHARDED_DIR, has_sharded, init_layout, load_sharded,
-                                            read_sharded_settings, save_sharded)
+                                            init_layout)
+from fp8engine.training.sharded_checkpoint import (SHARDED_DIR, CheckpointNotWritten, has_sharded, load_sharded,
+                                                   read_sharded_settings, save_sharded, select_sharded)
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
 from fp8engine.training.step import CUDAGraphStep, TrainStep, capture_problem, make_optimizer, set_lr
 from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
@@ -321,7 +322,8 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
                 device=run.device, rng_tracker=run.rng_tracker)
     optimizer = make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     if run.checkpoint is not None and layout.world_size > 1:
-        run.checkpoint.update(load_sharded(run.out, layout, model, optimizer, run.rng_tracker))  # adds "rng"
+        run.checkpoint.update(load_sharded(run.checkpoint["dir"], layout, model, optimizer,
+                                           run.rng_tracker))  # adds "rng"
     elif run.checkpoint is not None:
         model.load_state_dict(run.checkpoint["model"])
         optimizer.load_state_dict(run.checkpoint["optimizer"])
@@ -407,7 +409,8 @@ def _save(run: Run, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> 
         "data_position": {"next_step": step + 1, "sampler": "batch_seed(seed, split, step, micro)"},
         "rng": capture_rng_state(run.rng_tracker), "settings": _settings(run.args), "config": dataclasses.asdict(run.config)}
     if run.layout.world_size > 1:
-        save_sharded(run.out, run.layout, model, optimizer, state, step)
+        save_sharded(run.out, run.layout, model, optimizer, state, step, keep=run.args.keep_checkpoints,
+                     device=run.device)
     else:
         save_checkpoint(run.out, state, keep=run.args.keep_checkpoints)
 
@@ -561,6 +564,15 @@ def _finish(run: Run, model: GPT, last_step: int) -> None:
         print(f"wrote {run.out / 'metrics.jsonl'}, {ckpt}, {run.out / PLOT_NAME}")
 
 
+def _select_sharded(run: Run) -> dict[str, Any]:
+    """Multi-rank ``--resume``: the newest checkpoint folder every rank verifies (collective; each skipped one is
+    reported by every rank in the same line). Raises :class:`UsageError` when none does."""
+    meta = select_sharded(run.out, _settings(run.args), run.device,
+                          report=lambda line: print(f"fp8engine.train: {line}", file=sys.stderr, flush=True))
+    _check_same_run(meta["settings"], run.args)
+    return meta
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``python -m fp8engine.train`` / ``fp8engine-train``; returns the exit status."""
     prefer_avx2_cpu_kernels()  # before the first CPU kernel (fp8engine/_cpu.py)
@@ -578,6 +590,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         run.device = torch.device("cuda", torch.cuda.current_device())
     run.graph_problem = capture_problem(run.device, run.layout.world_size, args.compile)
     try:
+        if run.checkpoint is not None and run.layout.world_size > 1:
+            run.checkpoint = _select_sharded(run)
         if run.out is not None and run.checkpoint is None and run.layout.is_main:
             _write_run_files(run)
         model, step_model, optimizer = _build(run)
@@ -592,6 +606,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if run.layout.is_main:
             print(f"fp8engine.train: error: {err}", file=sys.stderr, flush=True)
         return 3
+    except (UsageError, CheckpointNotWritten) as err:  # raised on every rank alike (the ranks agreed)
+        if run.layout.is_main:
+            print(f"fp8engine.train: error: {err}", file=sys.stderr, flush=True)
+        else:  # torchrun stops the other ranks at the first exit: let rank 0 say it
+            time.sleep(2.0)
+        return 2 if isinstance(err, UsageError) else 1
     except RuntimeError as err:  # torch.distributed's DistError and gloo's errors are RuntimeErrors
         if run.layout.world_size == 1:
             raise
