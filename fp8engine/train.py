@@ -25,9 +25,11 @@ Failures: a step whose loss or global gradient norm is NaN/inf changes nothing (
 scaling buffers; :mod:`fp8engine.training.guard`, checked on the device and read with the loss); the run then
 stops with one line naming the step and exit status 3, or with ``--skip-nonfinite N`` goes on, stopping after N
 skipped steps in a row. A checkpoint is never written from non-finite weights. The last ``--keep-checkpoints``
-checkpoints are kept with CRC-32 sidecars (multi-process runs: the last K step folders with checksums); ``--resume``
-reports a damaged one in one line and falls back to the newest that loads (on every process). In a multi-process run a failed or timed-out collective (another rank died;
-``--dist-timeout``) ends every surviving process with one line and exit status 1.
+checkpoints are kept with CRC-32 sidecars (multi-process runs: the last K step folders with checksums);
+``--resume`` reports a damaged one in one line and falls back to the newest that loads (in a multi-process run,
+the newest every process verifies, each saying so in the same line). In a multi-process run a failed or
+timed-out collective (another rank died; ``--dist-timeout``) ends every surviving process with one line and exit
+status 1.
 """
 from __future__ import annotations
 

@@ -19,9 +19,10 @@ Launches per step do not grow with the model: the snapshot is one ``torch._forea
 the buffers into segments of one flat ``uint8`` buffer; the restore is one ``torch._foreach_copy_`` of the
 current bytes into a second flat buffer, one ``torch.where`` over all of it and one ``torch._foreach_copy_`` back
 (CUDA's multi-tensor apply runs a foreach over many tensors in a few launches), instead of one copy per buffer
-and a ``where`` and a copy per buffer (about 440 launches per step for gpt2-124m's 36 FP8 states). The flat buffers and views are built once and rebuilt only
-when a buffer was replaced (``.to()``, an amax-history resize: eager steps only; a captured step sees the same
-tensors at every replay, so the addresses it recorded stay valid).
+and a ``where`` and a copy per buffer (about 440 launches per step for gpt2-124m's 36 FP8 states). The flat
+buffers and views are built once and rebuilt only when a buffer was replaced (``.to()``, an amax-history resize:
+eager steps only; a captured step sees the same tensors at every replay, so the addresses it recorded stay
+valid).
 
 The caller reads ``found_inf`` on the host together with the loss (the loss is read there anyway) and decides
 whether to stop (:mod:`fp8engine.train`: ``--skip-nonfinite``).
