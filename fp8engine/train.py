@@ -132,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 #: Integer flags that must be >= the bound when given (0 is a value, not "unset").
 _MIN_INT = {"steps": 1, "stop_at": 1, "batch_size": 1, "seq_len": 1, "n_layer": 1, "n_head": 1, "hidden_size": 1,
             "ffn_hidden_size": 1, "grad_accum": 1, "eval_interval": 1, "eval_iters": 1, "tp": 1,
-            "warmup_steps": 0, "sample_tokens": 0, "skip_nonfinite": 0, "keep_checkpoints": 2}
+            "warmup_steps": 0, "sample_tokens": 0, "skip_nonfinite": 0, "keep_checkpoints": 2, "seed": 0}
+#: Largest --seed: torch generators take 64-bit seeds, and tensor parallelism adds up to 2718 + tp rank to it.
+_MAX_SEED = 2**63 - 1
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -141,6 +143,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}; got {value}")
+    if args.seed > _MAX_SEED:
+        raise UsageError(f"--seed must be between 0 and {_MAX_SEED}; got {args.seed}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr must be a positive finite number; got {args.lr}")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
@@ -283,7 +287,18 @@ def prepare(args: argparse.Namespace) -> Run:
     elif out is not None and (any(p.exists() for p in checkpoint_paths(out)) or has_sharded(out)):
         raise UsageError(f"--out {out} already holds a checkpoint; pass --resume to continue it or choose "
                          "another --out")
+    if out is not None:  # last: every other input is valid, so creating the directory is the run's first write
+        _create_out(out)
     return Run(args, device, data, config, out, checkpoint)
+
+
+def _create_out(out: Path) -> None:
+    """Create ``out`` (and its parents; no error when it exists). Raise :class:`UsageError` when the file system
+    refuses (permission bits checked by :func:`_check_out` do not cover read-only mounts, ``/proc``, quotas)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out {out} cannot be created: {err.strerror or err}; choose another directory") from None
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -224,6 +224,10 @@ _BAD_FLAGS = {
     "lr nan": (["--lr", "nan"], "--lr must be a positive finite"),
     "dropout 1": (["--dropout", "1"], "--dropout must be in [0, 1)"),
     "out under a file": (["--out", "/etc/passwd/x"], "/etc/passwd is a file"),
+    # procfs: the permission bits let root in, mkdir fails (ENOENT): found by creating it, after every other check
+    "out in /proc": (["--out", "/proc/fp8engine-out"], "--out /proc/fp8engine-out cannot be created"),
+    "seed -1": (["--seed", "-1"], "--seed must be >= 0; got -1"),  # numpy's SeedSequence refuses it mid-run
+    "seed 2**63": (["--seed", str(2**63)], "--seed must be between 0 and"),
 }
 
 
