@@ -472,6 +472,7 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
     bar = tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
                disable=not main_rank)
     step, skipped = start, 0
+    saved = start if run.checkpoint is not None else None  # step of the newest checkpoint in --out
     # Multi-rank runs keep Ctrl-C's default (ranks could stop at different steps and hang a collective).
     with _GracefulStop(enabled=run.layout.world_size == 1) as stop:
         try:
@@ -479,13 +480,13 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
                 record = _one_step(run, step_fn, optimizer, step, tokens_per_step)
                 if record.pop("found_inf"):
                     skipped += 1
-                    what = (f"non-finite loss ({record['loss']}) or gradient norm at step {step}; the step was not "
-                            "applied")
+                    what = (f"non-finite loss ({record['loss']})" if not math.isfinite(record["loss"]) else
+                            f"non-finite gradient norm (loss {record['loss']:.4g})")
+                    what += f" at step {step}; the step was not applied"
                     if skipped > args.skip_nonfinite:
                         hint = (f"{skipped} in a row, --skip-nonfinite {args.skip_nonfinite}" if args.skip_nonfinite
                                 else "pass --skip-nonfinite N to skip such steps, or lower --lr")
-                        last = (f"; the last checkpoint in {run.out} is from before it" if run.out else "")
-                        raise NonFiniteStop(f"{what}; stopping ({hint}){last}")
+                        raise NonFiniteStop(f"{what}; stopping ({hint}){_kept_checkpoint(run, saved)}")
                     if main_rank:
                         bar.write(f"skipped: {what} ({skipped} in a row, at most {args.skip_nonfinite})")
                     record["skipped"] = True
@@ -501,6 +502,7 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
                 bar.update(1)
                 if "val_loss" in record or step == end or stop.requested:
                     _save(run, model, optimizer, step)
+                    saved = step if run.out is not None else None
                 if stop.requested:
                     bar.write(f"stopped at step {step}" + (f"; continue with --resume --out {run.out}"
                                                            if run.out else ""))
@@ -509,6 +511,16 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
             bar.close()
             log.close()
     return step
+
+
+def _kept_checkpoint(run: Run, saved: Optional[int]) -> str:
+    """The end of a non-finite stop's line: which checkpoint ``--out`` keeps (``saved``: its step, or None)."""
+    if run.out is None:
+        return ""
+    if saved is None:
+        return (f"; no checkpoint was written yet (they are written every --eval-interval {run.args.eval_interval} "
+                "steps)")
+    return f"; the checkpoint of step {saved} in {run.out} is kept"
 
 
 def _one_step(run: Run, step_fn: TrainStep, optimizer: torch.optim.Optimizer, step: int,

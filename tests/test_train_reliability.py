@@ -69,7 +69,8 @@ def diverging(tmp_path_factory, text_file):
     tmp = tmp_path_factory.mktemp("diverge")
     common = ["--data", text_file, "--precision", "fp8", "--eval-interval", "1", *QUICK, *DIVERGE]
     runs = {"good": ["--steps", "4", "--stop-at", "1"], "stop": ["--steps", "4"],
-            "skip": ["--steps", "4", "--skip-nonfinite", "3"], "skip1": ["--steps", "4", "--skip-nonfinite", "1"]}
+            "skip": ["--steps", "4", "--skip-nonfinite", "3"], "skip1": ["--steps", "4", "--skip-nonfinite", "1"],
+            "no-ckpt": ["--steps", "4", "--eval-interval", "4"]}
     procs = {name: subprocess.Popen([sys.executable, "-m", "fp8engine.train", *map(str, common + extra),
                                      "--out", str(tmp / name)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True) for name, extra in runs.items()}
@@ -88,10 +89,21 @@ def test_nonfinite_step_stops_with_exit_3(diverging):
     assert "Traceback" not in stderr
     lines = _error_lines(stderr)
     assert len(lines) == 1 and "at step 2" in lines[0] and "non-finite" in lines[0], stderr[-3000:]
+    assert lines[0].endswith(f"the checkpoint of step 1 in {out} is kept")
     ckpt, good = _load(out / "checkpoint.pt"), _load(diverging["good"][3] / "checkpoint.pt")
     assert ckpt["step"] == 1 and _finite(ckpt["model"])
     _assert_state_equal(ckpt["model"], good["model"])
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]  # the bad step is not logged as done
+
+
+def test_nonfinite_stop_before_any_checkpoint_says_so(diverging):
+    """Checkpoints every 4 steps, the run stops at step 2: the line says no checkpoint was written yet (not that
+    an earlier one is kept), and none is."""
+    rc, _, stderr, out = diverging["no-ckpt"]
+    assert rc == 3 and "Traceback" not in stderr, stderr[-3000:]
+    lines = _error_lines(stderr)
+    assert len(lines) == 1 and "at step 2" in lines[0] and "no checkpoint was written yet" in lines[0], lines
+    assert not (out / "checkpoint.pt").exists()
 
 
 def test_skip_nonfinite_updates_nothing(diverging):
