@@ -374,7 +374,7 @@ def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torc
         def after_backward():
             all_reduce_sequence_parallel_grads(model, layout.tp_group)
     params = list(model.parameters())
-    nf_guard = NonFiniteGuard(model) if guard else None
+    nf_guard = NonFiniteGuard(model, group=layout.dp_group) if guard else None
     if args.cuda_graphs and run.graph_problem is None:
         return CUDAGraphStep(step_model, params, optimizer, context, args.grad_accum, clip, device=run.device,
                              guard=nf_guard)

@@ -7,7 +7,9 @@ Everything runs on the device, so it adds no host synchronisation and can be cap
    (what the FP8 region's exit and the backward write), and the persistent buffers of other modules (running
    statistics such as BatchNorm's). Non-persistent buffers of other modules are caches of constants (rotary
    ``inv_freq``, masks) that no step writes: they are not copied;
-2. after clipping, ``found_inf = !isfinite(loss) | !isfinite(grad_norm)`` (a float32 0/1 device scalar);
+2. after clipping, ``found_inf = !isfinite(loss) | !isfinite(grad_norm)`` (a float32 0/1 device scalar),
+   MAX-reduced over the data-parallel group when there is one (replicas see different losses, and must all skip
+   or all step, or their weights and FP8 state would part);
 3. the optimizer step: an optimizer that supports AMP scaling (``_step_supports_amp_scaling``: the fused AdamW
    of :func:`~fp8engine.training.step.make_optimizer` on CUDA) gets ``found_inf`` as ``GradScaler`` passes it
    (``optimizer.found_inf``; its kernel leaves parameters, moments and step count as they are when it is 1);
@@ -32,6 +34,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from fp8engine.fp8.state import ScalingState
 
@@ -69,14 +72,16 @@ class NonFiniteGuard:
     Args:
         module: the (unwrapped) model whose buffers hold the FP8 scaling state. Its module structure is read at
             the first :meth:`snapshot` (buffers replaced later are followed; modules added later are not).
+        group: process group of the data-parallel replicas (None: one replica); :meth:`check` MAX-reduces
+            ``found_inf`` over it (one small all-reduce per step, multi-process runs only).
 
     Attributes:
         found_inf: float32 device scalar of the last :meth:`check`: 1.0 when the step was not finite, else 0.0.
         names: qualified names of the buffers the snapshot holds (:func:`step_state_buffers`).
     """
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    def __init__(self, module: torch.nn.Module, group=None):
+        self.module, self.group = module, group
         self.found_inf: Optional[torch.Tensor] = None
         self._found: Optional[torch.Tensor] = None  # bool twin of found_inf, for torch.where
         self._slots: Optional[list[tuple[str, torch.nn.Module, str]]] = None
@@ -116,7 +121,8 @@ class NonFiniteGuard:
         self._work_views = [self._work.narrow(0, o, v.numel()) for o, v in zip(offsets, self._views)]
 
     def _same(self, tensors: list[torch.Tensor]) -> bool:
-        return len(tensors) == len(self._tensors) and all(t is old for t, old in zip(tensors, self._tensors))
+        return (self._flat is not None and len(tensors) == len(self._tensors)
+                and all(t is old for t, old in zip(tensors, self._tensors)))
 
     def snapshot(self) -> None:
         """Copy the step state (:func:`step_state_buffers`) into the persistent flat snapshot: one
@@ -130,12 +136,17 @@ class NonFiniteGuard:
             copy.copy_(buf)
 
     def check(self, loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> torch.Tensor:
-        """``found_inf``: float32 device scalar, 1.0 when ``loss`` or ``grad_norm`` is not finite, else 0.0."""
+        """``found_inf``: float32 device scalar, 1.0 when ``loss`` or ``grad_norm`` is not finite (on any rank of
+        ``group``), else 0.0."""
         values = loss.detach().float().reshape(1)
         if grad_norm is not None:
             values = torch.cat([values, grad_norm.detach().float().reshape(1)])
-        self._found = ~torch.isfinite(values).all()
-        self.found_inf = self._found.float()
+        found = ~torch.isfinite(values).all()
+        self.found_inf = found.float()
+        if self.group is not None:
+            dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=self.group)
+            found = self.found_inf > 0
+        self._found = found
         return self.found_inf
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

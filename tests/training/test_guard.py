@@ -1,9 +1,12 @@
 """The non-finite step guard (fp8engine/training/guard.py) on the CPU: what it snapshots, that a non-finite FP8
 step leaves every scaling buffer bit-identical, and that its op count does not grow with the model."""
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8engine
@@ -150,3 +153,36 @@ def test_restore_after_history_resize_matches_resized_snapshot():
 def test_restore_before_snapshot_raises():
     with pytest.raises(RuntimeError, match="snapshot"):
         NonFiniteGuard(_model()).restore_if_found()
+
+
+def _replica(rank, tmp):
+    """One of two gloo data-parallel replicas (no DDP: each keeps its own gradients): rank 1's input is NaN, so
+    only rank 1's loss and gradient norm are non-finite. Writes (found_inf, weights unchanged) to tmp/rank<r>.json."""
+    torch.set_num_threads(1)  # forked from a process whose OpenMP pool may be running: stay out of it
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        guard = NonFiniteGuard(model, group=dist.group.WORLD)
+        before = copy.deepcopy(model.state_dict())
+        guard.snapshot()
+        x = torch.randn(5, 4) * (float("nan") if rank == 1 else 1.0)
+        loss = model(x).square().mean()
+        loss.backward()
+        guard.check(loss, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        guard.optimizer_step(opt)
+        guard.restore_if_found()
+        unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        (Path(tmp) / f"rank{rank}.json").write_text(json.dumps([float(guard.found_inf), unchanged]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replicas_agree_to_skip(tmp_path):
+    """A non-finite step on one data-parallel replica is skipped by both (found_inf MAX-reduced over the group):
+    rank 0, whose own loss is finite, leaves its weights too."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_replica, args=(str(tmp_path),), nprocs=2, join=True, start_method="fork")  # fork: no re-import
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[1.0, True], [1.0, True]]
