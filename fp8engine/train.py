@@ -25,9 +25,11 @@ Failures: a step whose loss or global gradient norm is NaN/inf changes nothing (
 scaling buffers; :mod:`fp8engine.training.guard`, checked on the device and read with the loss); the run then
 stops with one line naming the step and exit status 3, or with ``--skip-nonfinite N`` goes on, stopping after N
 skipped steps in a row. A checkpoint is never written from non-finite weights. The last ``--keep-checkpoints``
-checkpoints are kept with CRC-32 sidecars; ``--resume`` reports a damaged one in one line and falls back to the
-newest that loads. In a multi-process run a failed or timed-out collective (another rank died;
-``--dist-timeout``) ends every surviving process with one line and exit status 1.
+checkpoints are kept with CRC-32 sidecars (multi-process runs: the last K step folders with checksums);
+``--resume`` reports a damaged one in one line and falls back to the newest that loads (in a multi-process run,
+the newest every process verifies, each saying so in the same line). In a multi-process run a failed or
+timed-out collective (another rank died; ``--dist-timeout``) ends every surviving process with one line and exit
+status 1.
 
 FP8 health (``--fp8-stats N``): every N-th step counts, for every FP8 tensor role, amax, scale, underflow % and
 saturation % (:mod:`fp8engine.fp8.stats`, on the device), stores the rows in that step's ``metrics.jsonl`` object
@@ -64,8 +66,9 @@ from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, captur
                                            load_checkpoint, restore_rng_state, save_checkpoint)
 from fp8engine.training.guard import NonFiniteGuard
 from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm, env_world_size,
-                                            SHARDED_DIR, has_sharded, init_layout, load_sharded,
-                                            read_sharded_settings, save_sharded)
+                                            init_layout)
+from fp8engine.training.sharded_checkpoint import (SHARDED_DIR, CheckpointNotWritten, has_sharded, load_sharded,
+                                                   read_sharded_settings, save_sharded, select_sharded)
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
 from fp8engine.training.step import CUDAGraphStep, TrainStep, capture_problem, make_optimizer, set_lr
 from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
@@ -140,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
 #: Integer flags that must be >= the bound when given (0 is a value, not "unset").
 _MIN_INT = {"steps": 1, "stop_at": 1, "batch_size": 1, "seq_len": 1, "n_layer": 1, "n_head": 1, "hidden_size": 1,
             "ffn_hidden_size": 1, "grad_accum": 1, "eval_interval": 1, "eval_iters": 1, "tp": 1,
-            "warmup_steps": 0, "sample_tokens": 0, "skip_nonfinite": 0, "keep_checkpoints": 2,
+            "warmup_steps": 0, "sample_tokens": 0, "skip_nonfinite": 0, "keep_checkpoints": 2, "seed": 0,
             "fp8_stats": 0}
+#: Largest --seed: torch generators take 64-bit seeds, and tensor parallelism adds up to 2718 + tp rank to it.
+_MAX_SEED = 2**63 - 1
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -150,6 +155,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}; got {value}")
+    if args.seed > _MAX_SEED:
+        raise UsageError(f"--seed must be between 0 and {_MAX_SEED}; got {args.seed}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr must be a positive finite number; got {args.lr}")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
@@ -294,7 +301,18 @@ def prepare(args: argparse.Namespace) -> Run:
     elif out is not None and (any(p.exists() for p in checkpoint_paths(out)) or has_sharded(out)):
         raise UsageError(f"--out {out} already holds a checkpoint; pass --resume to continue it or choose "
                          "another --out")
+    if out is not None:  # last: every other input is valid, so creating the directory is the run's first write
+        _create_out(out)
     return Run(args, device, data, config, out, checkpoint)
+
+
+def _create_out(out: Path) -> None:
+    """Create ``out`` (and its parents; no error when it exists). Raise :class:`UsageError` when the file system
+    refuses (permission bits checked by :func:`_check_out` do not cover read-only mounts, ``/proc``, quotas)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out {out} cannot be created: {err.strerror or err}; choose another directory") from None
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -335,7 +353,8 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
                 device=run.device, rng_tracker=run.rng_tracker)
     optimizer = make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     if run.checkpoint is not None and layout.world_size > 1:
-        run.checkpoint.update(load_sharded(run.out, layout, model, optimizer, run.rng_tracker))  # adds "rng"
+        run.checkpoint.update(load_sharded(run.checkpoint["dir"], layout, model, optimizer,
+                                           run.rng_tracker))  # adds "rng"
     elif run.checkpoint is not None:
         model.load_state_dict(run.checkpoint["model"])
         optimizer.load_state_dict(run.checkpoint["optimizer"])
@@ -369,7 +388,7 @@ def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torc
         def after_backward():
             all_reduce_sequence_parallel_grads(model, layout.tp_group)
     params = list(model.parameters())
-    nf_guard = NonFiniteGuard(model) if guard else None
+    nf_guard = NonFiniteGuard(model, group=layout.dp_group) if guard else None
     if args.cuda_graphs and run.graph_problem is None:
         return CUDAGraphStep(step_model, params, optimizer, context, args.grad_accum, clip, device=run.device,
                              guard=nf_guard)
@@ -421,7 +440,8 @@ def _save(run: Run, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> 
         "data_position": {"next_step": step + 1, "sampler": "batch_seed(seed, split, step, micro)"},
         "rng": capture_rng_state(run.rng_tracker), "settings": _settings(run.args), "config": dataclasses.asdict(run.config)}
     if run.layout.world_size > 1:
-        save_sharded(run.out, run.layout, model, optimizer, state, step)
+        save_sharded(run.out, run.layout, model, optimizer, state, step, keep=run.args.keep_checkpoints,
+                     device=run.device)
     else:
         save_checkpoint(run.out, state, keep=run.args.keep_checkpoints)
 
@@ -466,6 +486,7 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
     bar = tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
                disable=not main_rank)
     step, skipped = start, 0
+    saved = start if run.checkpoint is not None else None  # step of the newest checkpoint in --out
     # Multi-rank runs keep Ctrl-C's default (ranks could stop at different steps and hang a collective).
     with _GracefulStop(enabled=run.layout.world_size == 1) as stop:
         try:
@@ -473,13 +494,13 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
                 record = _one_step(run, step_fn, optimizer, step, tokens_per_step, model)
                 if record.pop("found_inf"):
                     skipped += 1
-                    what = (f"non-finite loss ({record['loss']}) or gradient norm at step {step}; the step was not "
-                            "applied")
+                    what = (f"non-finite loss ({record['loss']})" if not math.isfinite(record["loss"]) else
+                            f"non-finite gradient norm (loss {record['loss']:.4g})")
+                    what += f" at step {step}; the step was not applied"
                     if skipped > args.skip_nonfinite:
                         hint = (f"{skipped} in a row, --skip-nonfinite {args.skip_nonfinite}" if args.skip_nonfinite
                                 else "pass --skip-nonfinite N to skip such steps, or lower --lr")
-                        last = (f"; the last checkpoint in {run.out} is from before it" if run.out else "")
-                        raise NonFiniteStop(f"{what}; stopping ({hint}){last}")
+                        raise NonFiniteStop(f"{what}; stopping ({hint}){_kept_checkpoint(run, saved)}")
                     if main_rank:
                         bar.write(f"skipped: {what} ({skipped} in a row, at most {args.skip_nonfinite})")
                     record["skipped"] = True
@@ -495,6 +516,7 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
                 bar.update(1)
                 if "val_loss" in record or step == end or stop.requested:
                     _save(run, model, optimizer, step)
+                    saved = step if run.out is not None else None
                     _plot_health(run)
                 if stop.requested:
                     bar.write(f"stopped at step {step}" + (f"; continue with --resume --out {run.out}"
@@ -504,6 +526,16 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
             bar.close()
             log.close()
     return step
+
+
+def _kept_checkpoint(run: Run, saved: Optional[int]) -> str:
+    """The end of a non-finite stop's line: which checkpoint ``--out`` keeps (``saved``: its step, or None)."""
+    if run.out is None:
+        return ""
+    if saved is None:
+        return (f"; no checkpoint was written yet (they are written every --eval-interval {run.args.eval_interval} "
+                "steps)")
+    return f"; the checkpoint of step {saved} in {run.out} is kept"
 
 
 def _one_step(run: Run, step_fn: TrainStep, optimizer: torch.optim.Optimizer, step: int,
@@ -602,6 +634,15 @@ def _finish(run: Run, model: GPT, last_step: int) -> None:
         print(f"wrote {run.out / 'metrics.jsonl'}, {ckpt}, {run.out / PLOT_NAME}{health}")
 
 
+def _select_sharded(run: Run) -> dict[str, Any]:
+    """Multi-rank ``--resume``: the newest checkpoint folder every rank verifies (collective; each skipped one is
+    reported by every rank in the same line). Raises :class:`UsageError` when none does."""
+    meta = select_sharded(run.out, _settings(run.args), run.device,
+                          report=lambda line: print(f"fp8engine.train: {line}", file=sys.stderr, flush=True))
+    _check_same_run(meta["settings"], run.args)
+    return meta
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``python -m fp8engine.train`` / ``fp8engine-train``; returns the exit status."""
     prefer_avx2_cpu_kernels()  # before the first CPU kernel (fp8engine/_cpu.py)
@@ -619,6 +660,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         run.device = torch.device("cuda", torch.cuda.current_device())
     run.graph_problem = capture_problem(run.device, run.layout.world_size, args.compile)
     try:
+        if run.checkpoint is not None and run.layout.world_size > 1:
+            run.checkpoint = _select_sharded(run)
         if run.out is not None and run.checkpoint is None and run.layout.is_main:
             _write_run_files(run)
         model, step_model, optimizer = _build(run)
@@ -633,6 +676,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if run.layout.is_main:
             print(f"fp8engine.train: error: {err}", file=sys.stderr, flush=True)
         return 3
+    except (UsageError, CheckpointNotWritten) as err:  # raised on every rank alike (the ranks agreed)
+        if run.layout.is_main:
+            print(f"fp8engine.train: error: {err}", file=sys.stderr, flush=True)
+        else:  # torchrun stops the other ranks at the first exit: let rank 0 say it
+            time.sleep(2.0)
+        return 2 if isinstance(err, UsageError) else 1
     except RuntimeError as err:  # torch.distributed's DistError and gloo's errors are RuntimeErrors
         if run.layout.world_size == 1:
             raise

@@ -276,7 +276,8 @@ def test_parallel_resume_is_exact(tmp_path, text_file, layout):
     full, split = _losses(tmp_path / "full"), _losses(tmp_path / "split")
     assert [s for s, _, _ in full] == list(range(1, 7))
     assert split == full  # exact float equality
-    assert sorted(p.name for p in (tmp_path / "split" / "checkpoint").iterdir()) == ["latest", "step_6"]
+    # --keep-checkpoints 2 (default): the stop's step 3 and the end's step 6
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoint").iterdir()) == ["latest", "step_3", "step_6"]
 
 
 @pytest.mark.slow
@@ -296,4 +297,4 @@ def test_parallel_resume_refuses_another_layout(tmp_path, text_file, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "written by 2 processes with --tp 2, this run has 1" in err
     assert (tmp_path / "checkpoint" / "latest").read_text() == latest
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["latest", "step_2"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["latest", "step_1", "step_2"]

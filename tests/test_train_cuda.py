@@ -78,6 +78,27 @@ def test_graphed_run_with_fp8_stats_matches_eager(tmp_path):
 
 
 @cuda
+def test_graphed_nonfinite_steps_change_nothing(tmp_path):
+    """lr 1e30 without warm-up: step 1 is finite and moves the weights to ~1e30, steps 2-6 overflow (step 2
+    eager, 3 captured, 4-6 replayed). With --skip-nonfinite 5 the guard inside the graph (flat FP8-buffer
+    snapshot, found_inf into the fused AdamW, conditional restore) leaves weights, every FP8 scaling buffer and
+    the AdamW state exactly as step 1 left them: the end checkpoint equals that of a run stopped at step 1."""
+    flags = ["--steps", "6", "--eval-interval", "6", "--lr", "1e30", "--warmup-steps", "0", "--weight-decay", "0"]
+    _run(tmp_path / "good", *flags, "--stop-at", "1")
+    _run(tmp_path / "skip", *flags, "--skip-nonfinite", "5")
+    records = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped", False) for r in records] == [False] + [True] * 5
+    good = torch.load(tmp_path / "good" / "checkpoint.pt", map_location="cpu", weights_only=False)
+    skip = torch.load(tmp_path / "skip" / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert skip["step"] == 6 and any(k.endswith("amax_history") for k in good["model"])
+    for key, value in good["model"].items():
+        torch.testing.assert_close(skip["model"][key], value, rtol=0, atol=0, msg=key)
+    for pid, state in good["optimizer"]["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(skip["optimizer"]["state"][pid][key], value, rtol=0, atol=0)
+
+
+@cuda
 def test_gpt_forward_backward_as_the_command_runs_it():
     """fp32 parameters, bf16 autocast around the FP8 region: finite loss and gradients for every parameter, and
     the FP8 loss within 0.05 of the bf16 one at init (both ~ln(256); FP8 adds per-tensor quantisation noise)."""

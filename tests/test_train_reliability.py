@@ -3,6 +3,7 @@ paths, a dead process in a multi-process run. Every case runs the command in a f
 exit status, the one line and that no traceback is printed."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,7 +69,8 @@ def diverging(tmp_path_factory, text_file):
     tmp = tmp_path_factory.mktemp("diverge")
     common = ["--data", text_file, "--precision", "fp8", "--eval-interval", "1", *QUICK, *DIVERGE]
     runs = {"good": ["--steps", "4", "--stop-at", "1"], "stop": ["--steps", "4"],
-            "skip": ["--steps", "4", "--skip-nonfinite", "3"], "skip1": ["--steps", "4", "--skip-nonfinite", "1"]}
+            "skip": ["--steps", "4", "--skip-nonfinite", "3"], "skip1": ["--steps", "4", "--skip-nonfinite", "1"],
+            "no-ckpt": ["--steps", "4", "--eval-interval", "4"]}
     procs = {name: subprocess.Popen([sys.executable, "-m", "fp8engine.train", *map(str, common + extra),
                                      "--out", str(tmp / name)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True) for name, extra in runs.items()}
@@ -87,10 +89,21 @@ def test_nonfinite_step_stops_with_exit_3(diverging):
     assert "Traceback" not in stderr
     lines = _error_lines(stderr)
     assert len(lines) == 1 and "at step 2" in lines[0] and "non-finite" in lines[0], stderr[-3000:]
+    assert lines[0].endswith(f"the checkpoint of step 1 in {out} is kept")
     ckpt, good = _load(out / "checkpoint.pt"), _load(diverging["good"][3] / "checkpoint.pt")
     assert ckpt["step"] == 1 and _finite(ckpt["model"])
     _assert_state_equal(ckpt["model"], good["model"])
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]  # the bad step is not logged as done
+
+
+def test_nonfinite_stop_before_any_checkpoint_says_so(diverging):
+    """Checkpoints every 4 steps, the run stops at step 2: the line says no checkpoint was written yet (not that
+    an earlier one is kept), and none is."""
+    rc, _, stderr, out = diverging["no-ckpt"]
+    assert rc == 3 and "Traceback" not in stderr, stderr[-3000:]
+    lines = _error_lines(stderr)
+    assert len(lines) == 1 and "at step 2" in lines[0] and "no checkpoint was written yet" in lines[0], lines
+    assert not (out / "checkpoint.pt").exists()
 
 
 def test_skip_nonfinite_updates_nothing(diverging):
@@ -225,6 +238,10 @@ _BAD_FLAGS = {
     "lr nan": (["--lr", "nan"], "--lr must be a positive finite"),
     "dropout 1": (["--dropout", "1"], "--dropout must be in [0, 1)"),
     "out under a file": (["--out", "/etc/passwd/x"], "/etc/passwd is a file"),
+    # procfs: the permission bits let root in, mkdir fails (ENOENT): found by creating it, after every other check
+    "out in /proc": (["--out", "/proc/fp8engine-out"], "--out /proc/fp8engine-out cannot be created"),
+    "seed -1": (["--seed", "-1"], "--seed must be >= 0; got -1"),  # numpy's SeedSequence refuses it mid-run
+    "seed 2**63": (["--seed", str(2**63)], "--seed must be between 0 and"),
 }
 
 
@@ -304,35 +321,79 @@ def test_dead_rank_ends_the_other_within_timeout(tmp_path, text_file):
 
 # ------------------------------------------------------------------------------- multi-rank (DCP) checkpoint
 
-def _torchrun(nproc, *args):
+def _launch_ranks(nproc, *args):
+    """Start ``nproc`` gloo ranks of the command by hand (torchrun would stop the others at the first exit and
+    merge their output): a list of Popen objects, stdout/stderr piped per rank."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), "-m", "fp8engine.train", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stderr
+    cmd = [sys.executable, "-m", "fp8engine.train", *map(str, args)]
+    world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)}
+    return [subprocess.Popen(cmd, cwd=REPO, env=_env() | world | {"RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(nproc)]
+
+
+def _wait_ranks(procs):
+    """[(returncode, stdout, stderr)] per rank."""
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=300)
+            results.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def _cli_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("fp8engine.train:")]
 
 
 @pytest.mark.slow
-def test_damaged_shard_stops_every_rank(tmp_path, text_file):
-    """2 gloo ranks save a DCP checkpoint; rank 1's shard file is then overwritten. Resuming stops every rank
-    before any collective (exit 2, the one line names the damaged file; no hang)."""
-    from fp8engine.training import UsageError
-    from fp8engine.training.distributed import read_sharded_settings
+def test_damaged_shard_on_one_rank_every_rank_falls_back(tmp_path, text_file):
+    """2 gloo ranks checkpoint every step (the newest 2 step folders kept); rank 1's shard of the newest (step 3)
+    is then damaged. On --resume both ranks print the same line naming it and rank 1's reason, take step 2,
+    and log exactly the losses of an uninterrupted run. With step 2 damaged too (rank 0's shard), both ranks
+    report both folders and stop with exit 2 (one error line, from rank 0), no traceback, no hang."""
+    common = ["--data", text_file, "--steps", "4", "--eval-interval", "1", "--precision", "fp32", *QUICK]
+    runs = [_launch_ranks(2, *common, "--stop-at", "3", "--out", tmp_path / "split"),
+            _launch_ranks(2, *common, "--out", tmp_path / "full")]
+    for procs in runs:
+        assert all(rc == 0 for rc, _, _ in _wait_ranks(procs))
+    root = tmp_path / "split" / "checkpoint"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_3"]  # step 1 pruned
+    _flip_byte_in(root / "step_3" / "__1_0.distcp")
+    shutil.copytree(tmp_path / "split", tmp_path / "bad")
+    _flip_byte_in(tmp_path / "bad" / "checkpoint" / "step_2" / "__0_0.distcp")
 
-    common = ["--data", text_file, "--steps", "4", "--precision", "fp32", *QUICK, "--out", tmp_path]
-    rc, stderr = _torchrun(2, *common, "--stop-at", "1")
-    assert rc == 0, stderr[-3000:]
-    step_dir = tmp_path / "checkpoint" / "step_1"
-    assert json.loads((step_dir / "checksums.json").read_text()).keys() >= {".metadata", "__1_0.distcp"}
-    shard = step_dir / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, the CRC differs
-    shard.write_bytes(bytes(data))
-    with pytest.raises(UsageError, match=r"checkpoint at .*step_1 is damaged: __1_0.distcp: CRC-32"):
-        read_sharded_settings(tmp_path, {"world_size": 2, "tp": 1})
-    rc, stderr = _torchrun(2, *common, "--resume")
-    assert rc != 0 and "(exitcode: 2)" in stderr, stderr[-3000:]  # torchrun adds its own report
-    lines = _error_lines(stderr)
-    assert len(lines) == 1 and "is damaged: __1_0.distcp" in lines[0], stderr[-3000:]
+    good = _launch_ranks(2, *common, "--out", tmp_path / "split", "--resume")
+    bad = _launch_ranks(2, *common, "--out", tmp_path / "bad", "--resume")
+    good, bad = _wait_ranks(good), _wait_ranks(bad)
+
+    assert [rc for rc, _, _ in good] == [0, 0], good[0][2][-3000:] + good[1][2][-3000:]
+    lines = [_cli_lines(stderr) for _, _, stderr in good]
+    assert lines[0] == lines[1] and len(lines[0]) == 2, lines
+    assert lines[0][0] == (f"fp8engine.train: checkpoint at {root / 'step_3'} is damaged (rank 1: __1_0.distcp: "
+                           "CRC-32 differs from the one recorded at save time); trying the next older one")
+    assert lines[0][1] == f"fp8engine.train: resuming from the older checkpoint {root / 'step_2'} (step 2) instead"
+    full = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == full
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3", "step_4"]  # the damaged one replaced
+
+    assert [rc for rc, _, _ in bad] == [2, 2], bad[0][2][-3000:] + bad[1][2][-3000:]
+    assert all("Traceback" not in stderr for _, _, stderr in bad)
+    damaged = [[line for line in _cli_lines(stderr) if "is damaged" in line] for _, _, stderr in bad]
+    assert damaged[0] == damaged[1] and len(damaged[0]) == 2 and "rank 0: __0_0.distcp" in damaged[0][1]
+    assert [len(_error_lines(stderr)) for _, _, stderr in bad] == [1, 0]
+    assert "verifies on every rank (all 2 damaged)" in _error_lines(bad[0][2])[0]
+
+
+def _flip_byte_in(path):
+    """One flipped byte in the middle: same size, another CRC-32."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))

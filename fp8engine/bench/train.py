@@ -12,8 +12,9 @@ default on CUDA). Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding p
 L layers, h width, s context; the PaLM paper's appendix B formula), so MFU counts no recomputation.
 
 Each step runs with the command's non-finite guard (:mod:`fp8engine.training.guard`: FP8-buffer snapshot,
-device-side check, ``found_inf`` read with the loss); ``--no-guard`` times the step without it, so running both
-measures the guard's cost.
+device-side check, ``found_inf`` read with the loss); ``--no-guard`` times the step without it. ``--guard-cost``
+measures the guard's cost in one process instead: per mode one model, a step object with and one without the
+guard, timed in alternating blocks (two separate processes differ by more than the cost).
 """
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def _peak_tflops() -> float | None:
     return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
 
 
-def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
+def _setup(model_name: str, mode: str, args: argparse.Namespace):
+    """The training command's run, model, step model and optimizer for ``mode`` (built as the command does)."""
     from fp8engine import train as T
     from fp8engine.training.distributed import init_layout
-    from fp8engine.training.step import CUDAGraphStep, set_lr
 
     argv = ["--model", model_name, "--batch-size", str(args.batch_size or BATCH[model_name]),
             "--steps", str(args.steps), "--device", args.device, "--sample-tokens", "0", *MODES[mode]]
@@ -77,20 +78,44 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())
     run.graph_problem = T.capture_problem(run.device, 1, run.args.compile)
-    model, step_model, optimizer = T._build(run)
+    return (run, *T._build(run))
+
+
+def _timed_step(run, step_fn, optimizer, step: int) -> tuple[float, float]:
+    """One optimizer step as the command runs it (lr set, batch built, loss and ``found_inf`` read back in one
+    transfer); returns (seconds, loss)."""
+    from fp8engine import train as T
+    from fp8engine.training.step import set_lr
+
+    t0 = time.perf_counter()
+    set_lr(optimizer, T.lr_at(step, run.args.lr, run.args.warmup_steps, run.args.steps))
+    xs, ys = T.step_batches(run, step)
+    loss = step_fn(xs, ys)
+    if step_fn.found_inf is not None:  # as the command reads it: one transfer with the loss
+        loss = torch.stack([loss.detach().float(), step_fn.found_inf])[0]
+    value = loss.item()
+    return time.perf_counter() - t0, value
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
+    from fp8engine import train as T
+    from fp8engine.training.step import CUDAGraphStep
+
+    run, model, step_model, optimizer = _setup(model_name, mode, args)
     step_fn = T.make_step(run, model, step_model, optimizer, guard=not args.no_guard)
     tokens = run.args.batch_size * run.args.seq_len
     peak_memory_gib(reset=True)
     times, losses = [], []
     for step in range(1, args.steps + 1):
-        t0 = time.perf_counter()
-        set_lr(optimizer, T.lr_at(step, run.args.lr, run.args.warmup_steps, run.args.steps))
-        xs, ys = T.step_batches(run, step)
-        loss = step_fn(xs, ys)
-        if step_fn.found_inf is not None:  # as the command reads it: one transfer with the loss
-            loss = torch.stack([loss.detach().float(), step_fn.found_inf])[0]
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
+        seconds, loss = _timed_step(run, step_fn, optimizer, step)
+        times.append(seconds)
+        losses.append(loss)
     timed = times[args.skip:]
     step_s = statistics.median(timed)
     flops = model_flops_per_token(run.config, run.args.seq_len) * tokens / step_s / 1e12
@@ -98,11 +123,45 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     row = {"model": model_name, "mode": mode, "batch": f"{run.args.batch_size}x{run.args.seq_len}",
            "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "model_tflops": flops,
            "mfu": flops / peak if peak else float("nan"), "peak_mem_gib": peak_memory_gib(),
-           "graphed": isinstance(step_fn, CUDAGraphStep), "guard": not args.no_guard, "loss_first": losses[0], "loss_last": losses[-1]}
+           "graphed": isinstance(step_fn, CUDAGraphStep), "guard": not args.no_guard, "loss_first": losses[0],
+           "loss_last": losses[-1]}
     del model, step_model, optimizer, step_fn
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _release()
+    return row
+
+
+#: --guard-cost: steps per block; blocks of the two step objects alternate (ABBA order) so that clock and thermal
+#: drift fall on both alike.
+_GUARD_BLOCK = 5
+
+
+def _guard_cost(model_name: str, mode: str, args: argparse.Namespace) -> dict:
+    """The guard's cost in one process: one model and optimizer, two step objects (with and without the
+    non-finite guard; each captured in its own CUDA graph in the ``-graph`` modes), ``args.skip`` warm-up steps
+    each, then ``args.steps`` (rounded up to whole blocks) timed steps each in alternating blocks of
+    ``_GUARD_BLOCK``. Returns both medians (ms) and the guard's cost in percent of the step without it."""
+    from fp8engine import train as T
+
+    run, model, step_model, optimizer = _setup(model_name, mode, args)
+    step_fns = {flag: T.make_step(run, model, step_model, optimizer, guard=flag) for flag in (True, False)}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    step = 0
+    for flag in (True, False):  # eager warm-up and capture of each
+        for _ in range(args.skip):
+            step += 1
+            _timed_step(run, step_fns[flag], optimizer, step)
+    blocks = -(-args.steps // _GUARD_BLOCK)
+    for b in range(blocks):
+        for flag in ((True, False) if b % 2 == 0 else (False, True)):
+            for _ in range(_GUARD_BLOCK):
+                step += 1
+                times[flag].append(_timed_step(run, step_fns[flag], optimizer, step)[0])
+    with_guard, without = statistics.median(times[True]), statistics.median(times[False])
+    row = {"model": model_name, "mode": mode, "batch": f"{run.args.batch_size}x{run.args.seq_len}",
+           "guard_ms": with_guard * 1e3, "no_guard_ms": without * 1e3,
+           "guard_cost_pct": (with_guard / without - 1) * 100, "steps_each": len(times[True])}
+    del model, step_model, optimizer, step_fns
+    _release()
     return row
 
 
@@ -119,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--no-guard", action="store_true", help="time the step without the non-finite guard (compare "
                                                           "with a run without this flag for the guard's cost)")
+    p.add_argument("--guard-cost", action="store_true",
+                   help="instead of the table: per mode, time the step with and without the non-finite guard in "
+                        "one process (same model, alternating blocks of steps) and report the difference")
     return p
 
 
@@ -133,7 +195,11 @@ def main(argv=None) -> int:
                      f"models: {', '.join(BATCH)}; modes: {', '.join(MODES)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU visible; pass --device cpu to exercise the code path")
+    if args.guard_cost and args.no_guard:
+        parser.error("--guard-cost times both; drop --no-guard")
     print(env_info(), flush=True)
+    if args.guard_cost:
+        return _main_guard_cost(models, modes, args)
     rows, failed = [], False
     for model_name in models:
         base = None
@@ -155,4 +221,24 @@ def main(argv=None) -> int:
     print_table(rows, ["model", "mode", "batch", "step_ms", "tokens_per_s", "vs_bf16", "model_tflops", "mfu",
                        "peak_mem_gib", "graphed", "guard", "loss_first", "loss_last", "error"])
     write_json(args.json, "train", rows)
+    return 1 if failed else 0
+
+
+def _main_guard_cost(models: list[str], modes: list[str], args: argparse.Namespace) -> int:
+    rows, failed = [], False
+    for model_name in models:
+        for mode in modes:
+            try:
+                row = _guard_cost(model_name, mode, args)
+            except Exception as err:  # one failing mode must not hide the others' rows; the status says it failed
+                print(f"  {model_name} {mode}: FAILED: {type(err).__name__}: {err}", flush=True)
+                rows.append({"model": model_name, "mode": mode, "error": f"{type(err).__name__}: {err}"[:200]})
+                failed = True
+                _release()
+                continue
+            rows.append(row)
+            print(f"  {model_name} {mode}: {row['guard_ms']:.2f} ms/step with the guard, {row['no_guard_ms']:.2f} "
+                  f"without ({row['guard_cost_pct']:+.2f} %)", flush=True)
+    print_table(rows, ["model", "mode", "batch", "guard_ms", "no_guard_ms", "guard_cost_pct", "steps_each", "error"])
+    write_json(args.json, "train-guard-cost", rows)
     return 1 if failed else 0
