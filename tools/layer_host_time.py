@@ -11,10 +11,18 @@ our TransformerLayer in bf16, and under FP8 delayed and current scaling, it prin
   Python and autograd dispatch, each paying the dispatcher's host cost; ``aten ops (all)`` counts nested ones too;
 - ``launches`` (CUDA only): kernel launches seen by the profiler (runtime and driver API: ATen and Triton kernels).
 
-Usage: python tools/layer_host_time.py [--device cuda|cpu] [--steps 50] [--seq 128 --batch 1 --hidden 256
---ffn 1024 --heads 4]
+With ``--profile delayed|current|bf16`` it also breaks that case down: ``cProfile`` over the timed steps (the
+functions with the most own and cumulative time; the profiler's overhead inflates small Python functions, so
+compare rows, not sums) and the top-level ATen operators of one step by name and count.
+
+Usage: python tools/layer_host_time.py [--device cuda|cpu] [--steps 50] [--profile delayed|current|bf16]
+[--top 40] [--seq 128 --batch 1 --hidden 256 --ffn 1024 --heads 4]
 """
 import argparse
+import collections
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -32,6 +40,9 @@ def _parse():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps per row, median reported (default 50 on CUDA, 2 on CPU, where FP8 GEMMs are slow)")
+    p.add_argument("--profile", choices=["delayed", "current", "bf16"],
+                   help="also print the cProfile and ATen-op breakdown of this TransformerLayer case")
+    p.add_argument("--top", type=int, default=40, help="rows of each cProfile table (with --profile)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--hidden", type=int, default=256)
@@ -68,7 +79,7 @@ def _op_counts(run, device: str) -> dict:
     events = prof.events()
     aten = [e for e in events if e.name.startswith("aten::")]
     top = [e for e in aten if not _has_aten_ancestor(e)]
-    out = {"aten ops": len(top), "aten ops (all)": len(aten)}
+    out = {"aten ops": len(top), "aten ops (all)": len(aten), "by name": collections.Counter(e.name for e in top)}
     if device == "cuda":
         out["launches"] = sum(e.name in _LAUNCH for e in events)
     return out
@@ -97,13 +108,14 @@ def main():
     cases = [("plain PyTorch block bf16", plain, None), ("TransformerLayer bf16", ours, None),
              ("TransformerLayer fp8 delayed", ours, fe.DelayedScaling()),
              ("TransformerLayer fp8 current", ours, fe.CurrentScaling())]
-    rows = []
+    rows, by_name = [], {}
     for name, model, recipe in cases:
         run = fwd_bwd_step(model, x, dy, recipe)
         for _ in range(3):  # warm-up: caches, the first scale update, Triton compilation on CUDA
             run()
         row = {"case": name, "host ms": _host_ms(run, args.steps, dev)}
         row.update(_op_counts(run, dev))
+        by_name[name] = row.pop("by name")
         rows.append(row)
     base = rows[0]["host ms"]
     for row in rows:
@@ -111,6 +123,29 @@ def main():
     print(f"device {dev}, torch {torch.__version__}, layer [{args.seq}, {args.batch}, {args.hidden}], "
           f"ffn {args.ffn}, heads {args.heads}; per fwd+bwd step")
     print_table(rows)
+    if args.profile:
+        name, model, recipe = next(c for c in cases if c[0].endswith(args.profile))
+        _profile(fwd_bwd_step(model, x, dy, recipe), args, dev)
+        print(f"=== top-level ATen ops of one step, {name} ===")
+        for op, n in by_name[name].most_common():
+            print(f"{n:5d}  {op}")
+
+
+def _profile(run, args, device: str) -> None:
+    """cProfile over ``args.steps`` steps: the ``args.top`` functions by own and by cumulative time."""
+    run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        run()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(args.top)
+        print(f"=== cProfile by {key}, {args.steps} steps (seconds; divide by the steps for one step) ===")
+        print("\n".join(line for line in buf.getvalue().splitlines()[6:] if line.strip()))
 
 
 if __name__ == "__main__":
