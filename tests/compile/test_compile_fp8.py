@@ -129,9 +129,9 @@ def test_gpt_20_steps_compiled_equals_eager(recipe):
     compiled = torch.compile(compiled_model, backend=counter, fullgraph=True)
     l0 = _train(eager, RECIPES[recipe](), 20)
     l1 = _train(compiled, RECIPES[recipe](), 20)
-    # two graphs for all 20 steps: the first call also flips the modules' one-time FP8 shape check
-    # (modules/base.py ``_fp8_dims_checked``), a guard that re-traces once; no re-trace per step after that
-    assert counter.frame_count == 2
+    # one graph for all 20 steps, two for delayed scaling with a history length other than the state's 1024: the
+    # first call resizes the histories (a new buffer shape, so a re-trace); no re-trace per step after that
+    assert counter.frame_count == (2 if recipe == "delayed" else 1)
     assert l0 == l1
     assert l0[-1] < l0[0]
     _assert_state_equal(eager, compiled_model)
