@@ -185,11 +185,6 @@ def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.world_size = env_world_size()
     if args.resume and not args.out:
         raise UsageError("--resume needs --out DIR, the directory of the run to continue")
-    if args.compile and args.precision == "fp8":
-        # The FP8 path is built for eager speed; under torch.compile the delayed-scaling bookkeeping (state
-        # registration with the autocast region, amax recording into buffers) is not traced faithfully.
-        raise UsageError("--compile is not supported with --precision fp8 (fp8engine's FP8 path runs in eager "
-                         "mode); drop --compile, or use --compile with --precision bf16 or fp32")
     return args
 
 
