@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 
 import fp8engine
 from fp8engine._cli import CommandParser
-from fp8engine.fp8.autocast import FP8Context, recompute_context
+from fp8engine.fp8.autocast import MIRROR_TRACEABLE, FP8Context, recompute_context
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
 from fp8engine.parallel import RNGStatesTracker, all_reduce_sequence_parallel_grads, model_parallel_manual_seed
 from fp8engine.training import UsageError
@@ -185,6 +185,9 @@ def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.world_size = env_world_size()
     if args.resume and not args.out:
         raise UsageError("--resume needs --out DIR, the directory of the run to continue")
+    if args.compile and args.precision == "fp8" and not MIRROR_TRACEABLE:
+        raise UsageError(f"--compile with --precision fp8 needs torch >= 2.13 (the Dynamo of torch {torch.__version__} "
+                         "cannot trace the FP8 autocast context); drop --compile, or use --precision bf16 or fp32")
     return args
 
 

@@ -48,6 +48,17 @@ def test_compile_fp8_close_to_eager(tmp_path, recipe):
     _assert_close_to_eager(tmp_path / "eager", tmp_path / "compiled")
 
 
+def test_compile_fp8_refused_where_dynamo_cannot_trace_the_context(tmp_path, capsys, monkeypatch):
+    """On torch < 2.13 (``MIRROR_TRACEABLE`` False): a one-line usage error (exit 2) naming the fix, nothing written."""
+    import fp8engine.train as T
+
+    monkeypatch.setattr(T, "MIRROR_TRACEABLE", False)
+    assert main(ARGS + ["--compile", "--precision", "fp8", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--compile with --precision fp8 needs torch >= 2.13" in err[0], err
+    assert not (tmp_path / "r").exists()
+
+
 def _torchrun(nproc, *args):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     with socket.socket() as sock:  # a free port for the rendezvous (torchrun's port 0 is not portable)
