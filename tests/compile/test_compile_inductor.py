@@ -42,19 +42,24 @@ def test_frozen_scale_op():
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_linear_inductor_equals_eager(recipe):
-    """Three SGD steps (the weight and so its delayed scale change every step, between each forward and its
-    backward too): output, input and weight gradients and the FP8 state bit-identical to eager mode. Before the
-    frozen scale, delayed scaling's first input gradient was off by the weight's new scale (3.6e3x)."""
+def test_linear_inductor_equals_eager(recipe, device):
+    """Three steps, the input growing each step (its delayed scale changes between each forward and backward, and
+    at step 1 the weight's too). CPU: with SGD on the weight (its scale changes every step), output, input and
+    weight gradients and the FP8 state bit-identical to eager mode. CUDA: eager mode runs the Triton cast kernels
+    where the compiled code runs Inductor's casts: 40 dB (room for one FP8 step on a few elements), state to 1e-5.
+    Before the frozen scale, delayed scaling's first input gradient was off by the weight's new scale (3.6e3x)."""
+    from tests.conftest import sqnr
+
+    cpu = device.type == "cpu"
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = M.Linear(H, H)
+    eager = M.Linear(H, H, device=device)
     compiled_mod = copy.deepcopy(eager)
     compiled = torch.compile(compiled_mod, fullgraph=True)
     # SGD on the weight only: the bias gradient is not bit-identical (below), the rest must stay so
-    opts = [torch.optim.SGD([m.weight], lr=0.5) for m in (eager, compiled_mod)]
+    opts = [torch.optim.SGD([m.weight], lr=0.5) for m in (eager, compiled_mod)] if cpu else [None, None]
     for step in range(3):
-        x = torch.randn(S, B, H) * (step + 1)
+        x = torch.randn(S, B, H, device=device) * (step + 1)
         outs = []
         for mod, opt in zip((eager, compiled), opts):
             xi = x.clone().requires_grad_()
@@ -62,19 +67,23 @@ def test_linear_inductor_equals_eager(recipe):
                 y = mod(xi)
             y.square().mean().backward()
             outs.append((y.detach(), xi.grad, mod.weight.grad.clone(), mod.bias.grad.clone()))
-            opt.step()
+            if opt is not None:
+                opt.step()
             mod.zero_grad(set_to_none=True)
         (y0, dx0, dw0, db0), (y1, dx1, dw1, db1) = outs
-        assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and torch.equal(dw0, dw1), step
+        if cpu:
+            assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and torch.equal(dw0, dw1), step
+        else:
+            assert min(sqnr(y0, y1), sqnr(dx0, dx1), sqnr(dw0, dw1)) > 40, step
         # dbias = dy.sum(0) over M = S*B rows in Inductor's order: within the float32 summation bound
         # M * eps * sum |dy| (Higham, "Accuracy and Stability of Numerical Algorithms", 4.2), dy = 2 y / numel
         dy_abs = (2 * y0 / y0.numel()).abs().reshape(-1, H)
         bound = dy_abs.shape[0] * torch.finfo(torch.float32).eps * dy_abs.sum(0)
-        assert ((db1 - db0).abs() <= bound).all(), step
+        assert ((db1 - db0).abs() <= (bound if cpu else 1e-2 * dy_abs.sum(0))).all(), step
     fold_grad_amax(_states(compiled_mod))
     sd0, sd1 = eager.fp8_state.state_dict(), compiled_mod.fp8_state.state_dict()
     for k in sd0:
-        assert torch.equal(sd0[k], sd1[k]), k
+        torch.testing.assert_close(sd1[k], sd0[k], rtol=0 if cpu else 1e-5, atol=0, msg=k)
 
 
 def _train(model, step_fn, recipe, steps):
