@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 
 import fp8engine
 from fp8engine._cli import CommandParser
-from fp8engine.fp8.autocast import FP8Context, recompute_context
+from fp8engine.fp8.autocast import MIRROR_TRACEABLE, FP8Context, recompute_context
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
 from fp8engine.parallel import RNGStatesTracker, all_reduce_sequence_parallel_grads, model_parallel_manual_seed
 from fp8engine.training import UsageError
@@ -206,11 +206,12 @@ def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--resume needs --out DIR, the directory of the run to continue")
     if args.fp8_stats and args.precision != "fp8":
         raise UsageError(f"--fp8-stats counts FP8 casts; it needs --precision fp8 (got --precision {args.precision})")
-    if args.compile and args.precision == "fp8":
-        # The FP8 path is built for eager speed; under torch.compile the delayed-scaling bookkeeping (state
-        # registration with the autocast region, amax recording into buffers) is not traced faithfully.
-        raise UsageError("--compile is not supported with --precision fp8 (fp8engine's FP8 path runs in eager "
-                         "mode); drop --compile, or use --compile with --precision bf16 or fp32")
+    if args.fp8_stats and args.compile:
+        raise UsageError("--fp8-stats counts the casts of eager FP8 code; a torch.compile-d model is not counted: "
+                         "drop --compile or --fp8-stats")
+    if args.compile and args.precision == "fp8" and not MIRROR_TRACEABLE:
+        raise UsageError(f"--compile with --precision fp8 needs torch >= 2.13 (the Dynamo of torch {torch.__version__} "
+                         "cannot trace the FP8 autocast context); drop --compile, or use --precision bf16 or fp32")
     return args
 
 

@@ -8,7 +8,8 @@ and MFU against the GPU's dense bf16 peak, peak memory, and the ratio of tokens/
 
 Modes: ``bf16`` (eager), ``bf16-compile`` (``--compile``), ``bf16-graph`` (CUDA graph), ``fp8-delayed`` and
 ``fp8-current`` (eager, ``--no-cuda-graphs``), ``fp8-delayed-graph`` and ``fp8-current-graph`` (the command's
-default on CUDA). Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding parameters plus the tied LM head,
+default on CUDA), ``fp8-delayed-compile`` and ``fp8-current-compile`` (``--compile``: Inductor; its first steps,
+which compile, fall in the skipped warm-up). Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding parameters plus the tied LM head,
 L layers, h width, s context; the PaLM paper's appendix B formula), so MFU counts no recomputation.
 
 Each step runs with the command's non-finite guard (:mod:`fp8engine.training.guard`: FP8-buffer snapshot,
@@ -39,6 +40,8 @@ MODES = {
     "fp8-delayed-graph": ["--precision", "fp8", "--recipe", "delayed"],
     "fp8-current": ["--precision", "fp8", "--recipe", "current", "--no-cuda-graphs"],
     "fp8-current-graph": ["--precision", "fp8", "--recipe", "current"],
+    "fp8-delayed-compile": ["--precision", "fp8", "--recipe", "delayed", "--compile"],
+    "fp8-current-compile": ["--precision", "fp8", "--recipe", "current", "--compile"],
 }
 #: model -> micro-batch size (the end-to-end issue's shapes: gpt2-124m 16 x 1024, 1b 4 x 2048).
 BATCH = {"tiny": 16, "small": 64, "gpt2-124m": 16, "1b": 4}

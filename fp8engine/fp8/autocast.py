@@ -57,18 +57,15 @@ _FP8_CONTEXT: contextvars.ContextVar[Optional[FP8Context]] = contextvars.Context
                                                                                      default=None)
 
 
-class _CompileMirror(threading.local):
-    """The active context again, for ``torch.compile``: Dynamo cannot read a ``ContextVar`` (graph break) but reads
-    and guards a thread-local attribute, so a compiled module sees the region's context and re-traces when the
-    recipe (or FP8 on/off) changes. Set and restored by :func:`autocast` / :func:`recompute_context` together
-    with the ``ContextVar``, which stays the source of truth in eager code (per thread, as the mirror; within
-    one thread a context entered in another asyncio task is not mirrored, so do not compile inside tasks that
-    interleave FP8 regions)."""
-
-    ctx: Optional[FP8Context] = None
-
-
-_COMPILE_MIRROR = _CompileMirror()
+#: The active context again, for ``torch.compile``: Dynamo cannot read a ``ContextVar`` (graph break) but reads and
+#: guards an attribute of a ``threading.local``, so a compiled module sees the region's context and re-traces when
+#: the recipe (or FP8 on/off) changes. Attribute ``ctx``, set and restored by :func:`autocast` /
+#: :func:`recompute_context` together with the ``ContextVar``, which stays the source of truth in eager code (per
+#: thread, as the mirror; within one thread a context entered in another asyncio task is not mirrored, so do not
+#: compile inside tasks that interleave FP8 regions). A plain ``threading.local`` with no class-level default:
+#: Dynamo special-cases exactly that type and looks the attribute up in the thread's own storage (a subclass with a
+#: class attribute ``ctx = None`` is resolved through the class by some Dynamo versions).
+_COMPILE_MIRROR = threading.local()
 
 #: Dynamo of torch < 2.13 cannot build its guard on the mirrored context ("Unexpected type FP8Context", H100 with
 #: torch 2.11, 2026-11-24): there compiled code reads the ContextVar, which Dynamo runs outside the graph (a graph
@@ -83,7 +80,8 @@ def _set_context(ctx: Optional[FP8Context]):
     if ctx is not None and _interned(ctx.recipe) is not ctx.recipe:
         # same region (the states dict and recorders are shared), recipe interned for Dynamo's identity guard
         mirror = dataclasses.replace(ctx, recipe=_interned(ctx.recipe))
-    outer, _COMPILE_MIRROR.ctx = _COMPILE_MIRROR.ctx, mirror
+    outer = getattr(_COMPILE_MIRROR, "ctx", None)
+    _COMPILE_MIRROR.ctx = mirror
     try:
         yield
     finally:
@@ -102,7 +100,7 @@ def _interned(recipe):
 def get_fp8_context() -> Optional[FP8Context]:
     """The active :class:`FP8Context`, or None outside an enabled FP8 region."""
     if MIRROR_TRACEABLE and torch.compiler.is_compiling():
-        return _COMPILE_MIRROR.ctx
+        return getattr(_COMPILE_MIRROR, "ctx", None)
     return _FP8_CONTEXT.get()
 
 

@@ -12,6 +12,16 @@ writes: the backward reads and writes the live buffer, and the update folds it i
 slot the eager backward would have written) before computing scales, then zeroes it. Zeroing keeps the buffer's
 autograd version counter (the compiled forward saved the buffer for its backward; the backward must see the zeroed
 buffer, exactly what eager mode's direct write sees), so the compiled run updates the state as eager mode does.
+
+The forward's scales are read through :func:`frozen_scale`, an opaque op. The update at the region's exit rewrites
+``ScalingState.scale`` in place between the compiled forward and its backward, and AOTAutograd saves module buffers
+for the backward without a version check. Inductor's partitioner (``min_cut_rematerialization_partition``) treats
+parameters and buffers as free to keep and recomputes cheap pointwise chains from them in the backward: it
+re-casts the weight as ``(w * scale).to(fp8)`` for dgrad from the *updated* scale while the saved ``scale_inv`` is the
+forward's, scaling dgrad by ``new_scale / old_scale`` (found on CPU, torch 2.13: input gradients off by the weight's
+scale, 3.6e3x, at step 1 of a ``Linear``; the GPT's losses diverged from step 2). The partitioner never recomputes a
+custom op (not in its allowlist), so it keeps the op's output, a copy of the scales taken when the forward ran, and
+any cast it recomputes multiplies by that copy. ``aot_eager`` (no recomputation) did not show the bug.
 """
 from __future__ import annotations
 
@@ -19,7 +29,20 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["fold_grad_amax"]
+__all__ = ["fold_grad_amax", "frozen_scale"]
+
+
+@torch.library.custom_op("fp8engine::frozen_scale", mutates_args=())
+def frozen_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A copy of ``scale`` (``[n]`` float32, a ``ScalingState.scale``) that a compiled backward cannot re-read from the
+    live buffer (module docstring). Used by the forward roles' quantizers inside a ``torch.compile`` trace; one
+    per module forward."""
+    return scale.clone()
+
+
+@frozen_scale.register_fake
+def _(scale: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(scale)
 
 
 @torch.no_grad()

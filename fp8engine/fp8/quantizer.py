@@ -132,16 +132,16 @@ class Quantizer:
         self.stats.record(x, data, current_scale(scale, self.fp8_dtype) if from_amax else scale)
 
     def _compiled_views(self) -> tuple:
-        """``(scale, amax)`` sliced from the live state buffers inside a ``torch.compile`` trace (AOTAutograd sees
-        the buffer mutations it must replay). A gradient role records into ``state.grad_amax`` instead of the
-        history (why: :mod:`fp8engine.fp8.library`)."""
+        """``(scale, amax)`` inside a ``torch.compile`` trace, amax sliced from the live state buffers (AOTAutograd
+        sees the buffer mutations it must replay). A forward role's scale is the forward's frozen copy of the scales
+        (``self.scale``, see :func:`get_quantizers`); a gradient role reads the live ``state.scale`` (updated since
+        the forward, as in eager mode) and records into ``state.grad_amax`` instead of the history (why, for both:
+        :mod:`fp8engine.fp8.library`)."""
         st, row = self.state, self.row
-        scale = st.scale[row:row + 1]
-        if self.amax is None:
-            return scale, None
-        if _is_grad(self.role):  # get_quantizers flagged the state for the fold (outside the autograd.Function)
-            return scale, st.grad_amax[row:row + 1]
-        return scale, st.amax_history[row, 0:1]
+        if not _is_grad(self.role):
+            return self.scale, (None if self.amax is None else st.amax_history[row, 0:1])
+        # get_quantizers flagged the state for the fold (outside the autograd.Function)
+        return st.scale[row:row + 1], st.grad_amax[row:row + 1]
 
     def quantize_dbias(self, dy: torch.Tensor, *, transpose: bool,
                        dbias: bool) -> tuple[Float8Tensor, Optional[torch.Tensor]]:
@@ -182,10 +182,12 @@ def _is_grad(role: str) -> bool:
     return role.endswith("grad") or role.endswith("grad_output")
 
 
-def _build(state, recipe, record_amax: bool, counters=None) -> tuple:
+def _build(state, recipe, record_amax: bool, counters=None, fwd_scale: Optional[torch.Tensor] = None) -> tuple:
     """Quantizers of every GEMM of ``state``; with ``counters`` (the state's
     :class:`~fp8engine.fp8.stats.StatsCounters` while it records) each role counts its casts, except forward roles
-    of a recompute (``record_amax`` False: counted in the first forward)."""
+    of a recompute (``record_amax`` False: counted in the first forward). ``fwd_scale``: where the forward roles'
+    scale views come from (default ``state.scale``; a compiled forward passes
+    :func:`fp8engine.fp8.library.frozen_scale` of it)."""
     kind = recipe_kind(recipe)
     fwd, bwd = fp8_dtype_of(recipe.fp8_format.fwd), fp8_dtype_of(recipe.fp8_format.bwd)
     qs = []
@@ -195,7 +197,8 @@ def _build(state, recipe, record_amax: bool, counters=None) -> tuple:
         stats = counters.role(i, dtype) if counters is not None and (grad or record_amax) else None
         if kind == "delayed":
             amax = state.amax_history[i, 0:1] if (grad or record_amax) else None
-            qs.append(Quantizer(dtype, kind, state.scale[i:i + 1], amax, role, state, i, stats))
+            scale = state.scale if grad or fwd_scale is None else fwd_scale
+            qs.append(Quantizer(dtype, kind, scale[i:i + 1], amax, role, state, i, stats))
         else:
             qs.append(Quantizer(dtype, kind, role=role, stats=stats))
     return tuple(LinearQuantizers(*qs[i:i + 3]) for i in range(0, len(qs) - len(qs) % 3, 3))
@@ -217,10 +220,13 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
         # traced: built in the graph's Python (no cache look-ups for Dynamo to guard on); the flag is written, not
         # read (no guard): this state's compiled backward records into grad_amax, folded before each update
         if delayed:
+            from fp8engine.fp8.library import frozen_scale
+
             state.compiled_backward = True
             if state.amax_history.shape[1] != recipe.amax_history_len:
                 state.resize_history(recipe.amax_history_len)
             ctx.register(state)
+            return _build(state, recipe, ctx.record_amax, fwd_scale=frozen_scale(state.scale))
         return _build(state, recipe, ctx.record_amax)
     if delayed:
         if state.amax_history.shape[1] != recipe.amax_history_len:

@@ -241,7 +241,10 @@ class GPT(nn.Module):
 
     def _rope(self, s: int, device: torch.device) -> torch.Tensor:
         """Rotary angles ``[s, 1, 1, head_dim]`` fp32 on ``device``, computed once per (length, device): no
-        host-to-device copy per forward (which a captured CUDA graph would also refuse)."""
+        host-to-device copy per forward (which a captured CUDA graph would also refuse). Under ``torch.compile``
+        computed in the graph (from the ``inv_freq`` buffer, on its device)."""
+        if torch.compiler.is_compiling():  # in the graph: a cache look-up would be guarded, its fill re-trace once
+            return self.rotary(s).to(device)
         key = (s, device)
         rope = self._rope_cache.get(key)
         if rope is None:

@@ -63,11 +63,17 @@ class FP8Module(nn.Module):
         ctx = get_fp8_context()
         if ctx is None:
             return None
-        if not self._fp8_dims_checked:
-            for k, n in self._gemm_dims:
-                check_gemm_dims(k, n, type(self).__name__)
+        if torch.compiler.is_compiling():
+            # at trace time, without the flag: reading it would guard on it, and its flip re-trace the model once
+            self._check_fp8_dims()
+        elif not self._fp8_dims_checked:
+            self._check_fp8_dims()
             self._fp8_dims_checked = True
         return get_quantizers(self.fp8_state, ctx)
+
+    def _check_fp8_dims(self) -> None:
+        for k, n in self._gemm_dims:
+            check_gemm_dims(k, n, type(self).__name__)
 
     def fp8_weight(self, name: str, weight: torch.Tensor, quantizer: Quantizer,
                    is_first_microbatch: Optional[bool]) -> Float8Tensor:

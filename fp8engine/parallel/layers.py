@@ -55,7 +55,9 @@ class _TPLinearBase(nn.Module):
         ctx = get_fp8_context()
         if ctx is None:
             return None
-        if not self._fp8_dims_checked:
+        if torch.compiler.is_compiling():  # at trace time, unguarded (as FP8Module.fp8_begin)
+            check_gemm_dims(*self._gemm_dims, what=f"{type(self).__name__} (per-rank shard)")
+        elif not self._fp8_dims_checked:
             check_gemm_dims(*self._gemm_dims, what=f"{type(self).__name__} (per-rank shard)")
             self._fp8_dims_checked = True
         return get_quantizers(self.fp8_state, ctx)[0]

@@ -3,7 +3,7 @@
 On CPU the compiled code is built with ``backend="aot_eager"`` (Dynamo + AOTAutograd, whose functionalization of
 the FP8 state's in-place updates is what these tests check, run by eager kernels): it computes the same ops as
 eager mode in the same order, so outputs, gradients, losses and the FP8 state after training are compared for
-exact equality. One test compiles with Inductor, whose fused kernels round differently (bound measured there).
+exact equality. Inductor, whose fused kernels round differently: ``test_compile_inductor.py``.
 """
 import copy
 import dataclasses
@@ -129,9 +129,9 @@ def test_gpt_20_steps_compiled_equals_eager(recipe):
     compiled = torch.compile(compiled_model, backend=counter, fullgraph=True)
     l0 = _train(eager, RECIPES[recipe](), 20)
     l1 = _train(compiled, RECIPES[recipe](), 20)
-    # two graphs for all 20 steps: the first call also flips the modules' one-time FP8 shape check
-    # (modules/base.py ``_fp8_dims_checked``), a guard that re-traces once; no re-trace per step after that
-    assert counter.frame_count == 2
+    # one graph for all 20 steps, two for delayed scaling with a history length other than the state's 1024: the
+    # first call resizes the histories (a new buffer shape, so a re-trace); no re-trace per step after that
+    assert counter.frame_count == (2 if recipe == "delayed" else 1)
     assert l0 == l1
     assert l0[-1] < l0[0]
     _assert_state_equal(eager, compiled_model)
@@ -187,22 +187,3 @@ def test_checkpoint_of_compiled_run_holds_pending_grad_amax():
     assert pending.max() > 0
     assert torch.equal(eager.state_dict()["fp8_state.amax_history"], compiled_mod.state_dict()["fp8_state.amax_history"])
     assert torch.equal(compiled_mod.fp8_state.grad_amax, pending)
-
-
-@pytest.mark.slow  # Inductor's CPU code generation: about 70 s on 2 cores
-def test_inductor_linear_close_to_eager():
-    """Inductor fuses the cast (scale, clamp, round to FP8) into generated kernels, whose fp32 arithmetic may
-    round a value at an FP8 tie differently from eager mode, so the output is compared by SQNR: 40 dB leaves room
-    for one FP8 step (2^-3 relative for E4M3) on a few elements, far below the FP8 cast's own noise (~30 dB for
-    E4M3 would fail it only if many elements differed)."""
-    from tests.conftest import sqnr
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    eager = M.Linear(H, H)
-    compiled = torch.compile(copy.deepcopy(eager), backend="inductor")
-    for recipe in (CurrentScaling(), DelayedScaling(amax_history_len=4)):
-        x = torch.randn(S, B, H)
-        with fp8_autocast(fp8_recipe=recipe):
-            y0, y1 = eager(x), compiled(x)
-        assert sqnr(y0, y1) > 40
