@@ -627,8 +627,11 @@ def _finish(run: Run, model: GPT, last_step: int) -> None:
         plot_losses(records, run.out / PLOT_NAME, title=f"{run.args.model} GPT, {run.args.precision}")
     _plot_health(run, records)
     if last_step == run.args.steps and run.args.sample_tokens > 0 and run.layout.tp_size == 1:
-        text = sample(run, model, run.args.sample_tokens)
-        print(f"--- sample (temperature {_SAMPLE_TEMPERATURE}, top-k {_SAMPLE_TOP_K}) ---\n{text}\n---")
+        try:
+            text = sample(run, model, run.args.sample_tokens)
+            print(f"--- sample (temperature {_SAMPLE_TEMPERATURE}, top-k {_SAMPLE_TOP_K}) ---\n{text}\n---")
+        except ValueError as err:  # non-finite logits (e.g. steps skipped with --skip-nonfinite): no sample
+            print(f"no sample: {err}")
     if run.out is not None:
         ckpt = run.out / (CHECKPOINT_NAME if run.layout.world_size == 1 else SHARDED_DIR)
         health = f", {run.out / HEALTH_PLOT_NAME}" if run.args.fp8_stats else ""

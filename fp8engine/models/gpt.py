@@ -275,7 +275,9 @@ class GPT(nn.Module):
         Unsharded models only (``tp_group`` None).
 
         Raises:
-            ValueError: ``max_new_tokens < 0``, ``top_k < 1``, or a tensor-parallel model.
+            ValueError: ``max_new_tokens < 0``, ``top_k < 1``, a tensor-parallel model, or logits that are not
+                finite (a diverged model: sampling from them would trip ``torch.multinomial``'s device-side
+                assert, which ends the process's CUDA context; checked on the host once per token).
         """
         if self.tp_group is not None:
             raise ValueError("generate() runs on unsharded models only (tp_group=None)")
@@ -287,6 +289,8 @@ class GPT(nn.Module):
             for _ in range(max_new_tokens):
                 context = tokens[:, -self.config.max_seq_len:]
                 logits = self(context)[:, -1, :].float()         # [b, V]
+                if not bool(torch.isfinite(logits).all()):
+                    raise ValueError("cannot sample: the model's logits are not finite (its weights diverged)")
                 next_token = _sample(logits, temperature, top_k, generator)
                 tokens = torch.cat([tokens, next_token], dim=1)
         finally:

@@ -6,23 +6,17 @@ rank's traceback. ``fn`` must be a module-level function of a test module (spawn
 """
 import datetime
 import os
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, fn, world_size, port, args):
+def _entry(rank, fn, world_size, store, args):
     torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
     try:
         fn(rank, world_size, *args)
@@ -32,8 +26,11 @@ def _entry(rank, fn, world_size, port, args):
 
 
 def run_ranks(fn, world_size: int, *args) -> None:
-    mp.start_processes(_entry, args=(fn, world_size, _free_port(), args), nprocs=world_size, join=True,
-                       start_method="spawn")
+    # A file rendezvous, not a TCP port picked beforehand: with several pytest workers (pytest-xdist) a free port
+    # could be taken by another test's group between the pick and the bind (gloo then aborts a rank).
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_entry, args=(fn, world_size, os.path.join(tmp, "store"), args), nprocs=world_size,
+                           join=True, start_method="spawn")
 
 
 def world_group():

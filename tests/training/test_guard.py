@@ -184,5 +184,7 @@ def test_replicas_agree_to_skip(tmp_path):
     rank 0, whose own loss is finite, leaves its weights too."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_replica, args=(str(tmp_path),), nprocs=2, join=True, start_method="fork")  # fork: no re-import
+    # spawn, not fork: a process whose autograd engine already ran CUDA work (an earlier test in the same pytest
+    # worker on a GPU machine) cannot fork ("Unable to handle autograd's threading in combination with fork")
+    mp.start_processes(_replica, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[1.0, True], [1.0, True]]
