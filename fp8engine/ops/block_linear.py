@@ -39,14 +39,16 @@ BLOCK_DTYPES = (torch.bfloat16, torch.float32)
 
 def check_block_dims(gemm_dims: Sequence[tuple[int, int]], what: str) -> None:
     """Raise ``ValueError`` unless every GEMM ``(in_features K, out_features N)`` in ``gemm_dims`` has both dims a
-    multiple of 128, as the ``Float8BlockScaling`` GEMMs need (``what``: the module, for the message)."""
-    for k, n in gemm_dims:
+    multiple of 128, as the ``Float8BlockScaling`` GEMMs need (``what``: the module, for the message; a module with
+    several GEMMs, e.g. LayerNormMLP's fc1 and fc2, gets the GEMM's position named too)."""
+    for i, (k, n) in enumerate(gemm_dims):
+        gemm = f" (GEMM {i + 1} of {len(gemm_dims)})" if len(gemm_dims) > 1 else ""
         for name, dim in (("in_features", k), ("out_features", n)):
             if dim % _B:
                 raise ValueError(
-                    f"{what}: {name}={dim} is not a multiple of {_B}, which the Float8BlockScaling recipe's block "
-                    f"GEMMs require (1 x {_B} and {_B} x {_B} scaling blocks); pad it to {-(-dim // _B) * _B}, or "
-                    "use DelayedScaling / CurrentScaling (multiples of 16) for this model")
+                    f"{what}: {name}={dim}{gemm} is not a multiple of {_B}, which the Float8BlockScaling recipe's "
+                    f"block GEMMs require (1 x {_B} and {_B} x {_B} scaling blocks); pad it to {-(-dim // _B) * _B}, "
+                    "or use DelayedScaling / CurrentScaling (multiples of 16) for this model")
 
 
 def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
