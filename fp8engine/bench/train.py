@@ -38,6 +38,8 @@ MODES = {
     "fp8-delayed-graph": ["--precision", "fp8", "--recipe", "delayed"],
     "fp8-current": ["--precision", "fp8", "--recipe", "current", "--no-cuda-graphs"],
     "fp8-current-graph": ["--precision", "fp8", "--recipe", "current"],
+    "fp8-block": ["--precision", "fp8", "--recipe", "block", "--no-cuda-graphs"],
+    "fp8-block-graph": ["--precision", "fp8", "--recipe", "block"],
 }
 #: model -> micro-batch size (the end-to-end issue's shapes: gpt2-124m 16 x 1024, 1b 4 x 2048).
 BATCH = {"tiny": 16, "small": 64, "gpt2-124m": 16, "1b": 4}
