@@ -38,8 +38,7 @@ def text_file(tmp_path_factory):
 def test_block_run_learns(tmp_path):
     """The default data and model with --recipe block, shortened: the loss falls by > 1.2 nats in 30 steps
     (measured 5.37 -> 3.03 mean of the last 5; the delayed-scaling default run's test asks 1.5 over 40 steps) and a
-    40-token sample is
-    generated (the layers then see 1 x 1 ... token batches: padded to 128 rows)."""
+    40-token sample is generated (the layers then see 1 x 1 ... token batches: padded to 128 rows)."""
     out = tmp_path / "run"
     rc, stdout, stderr = _cli("--recipe", "block", "--steps", "30", "--batch-size", "8", "--seq-len", "64",
                               "--eval-interval", "30", "--eval-iters", "2", "--sample-tokens", "40", "--out", out)
