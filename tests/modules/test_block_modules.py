@@ -131,7 +131,8 @@ def test_block_beats_per_tensor_on_planted_outliers():
 @pytest.mark.parametrize("make,match", [
     (lambda: fp8engine.Linear(256, 208), "Linear: out_features=208 is not a multiple of 128"),
     (lambda: fp8engine.LayerNormLinear(144, 256), "LayerNormLinear: in_features=144 is not a multiple of 128"),
-    (lambda: fp8engine.LayerNormMLP(256, 320), r"LayerNormMLP: out_features=320 \(GEMM 1 of 2\) is not a multiple of 128"),
+    (lambda: fp8engine.LayerNormMLP(256, 320),
+     r"LayerNormMLP: out_features=320 \(GEMM 1 of 2\) is not a multiple of 128"),
 ])
 def test_dims_not_multiple_of_128_refused_at_first_forward(make, match):
     module = make()  # multiples of 16: fine for per-tensor FP8
