@@ -60,8 +60,6 @@ class Quantizer:
     """
 
     __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed", "state", "row")
-    #: per-tensor scaling (the block-scaled counterpart, ``BlockQuantizer``, has True; modules branch on it)
-    is_block = False
 
     def __init__(self, fp8_dtype: torch.dtype, kind: str, scale: Optional[torch.Tensor] = None,
                  amax: Optional[torch.Tensor] = None, role: str = "", state=None, row: int = -1):
@@ -146,6 +144,9 @@ class Quantizer:
             return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
         dy_fp8 = self.quantize(dy, transpose=transpose)
         return dy_fp8, (dy.sum(0, dtype=torch.float32).to(dy.dtype) if dbias else None)
+
+    #: per-tensor scaling (the block-scaled counterpart, ``BlockQuantizer``, has True; modules branch on it)
+    is_block = False
 
     def __repr__(self) -> str:
         return (f"Quantizer(role={self.role!r}, kind={self.kind!r}, fp8_dtype={self.fp8_dtype}, "
