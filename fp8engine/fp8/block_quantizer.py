@@ -46,8 +46,9 @@ class BlockQuantizer:
         use_kernel: None (default): :func:`~fp8engine.fp8.float8_tensor.use_kernels` decides per tensor; True /
             False forces the Triton kernels / the plain-PyTorch reference (tests, ``ops.block_linear``'s argument).
         kind: ``"block"``. ``is_block``: True (the per-tensor ``Quantizer`` has False: the modules branch on it).
-        delayed, scale, amax: False / None / None, so per-tensor code that inspects a quantizer (e.g. the norm op's
-            fused-cast test ``quantizer.delayed``) takes its unfused branch; ``record_amax`` is False.
+        delayed, scale, amax, stats: False / None / None / None, so per-tensor code that inspects a quantizer (e.g.
+            the norm op's fused-cast test ``quantizer.delayed``) takes its unfused branch; ``record_amax`` is False
+            (nothing recorded; FP8 cast statistics are not counted for block casts).
     Raises:
         ValueError (constructor): ``block`` is not one of the two block shapes.
     """
@@ -58,6 +59,7 @@ class BlockQuantizer:
     delayed = False
     scale = None
     amax = None
+    stats = None
     record_amax = False
 
     def __init__(self, fp8_dtype: torch.dtype, block: tuple, power_2_scale: bool = True, role: str = "",
