@@ -120,3 +120,25 @@ def _layer_worker(rank, ws, sp):
 def test_block_transformer_layer_tp2_matches_unsharded():
     run_ranks(_layer_worker, 2, False)
     run_ranks(_layer_worker, 2, True)
+
+
+def test_gradient_accumulation_fusion_and_frozen_weight_single_rank():
+    """tp_group=None (one rank): gradient_accumulation_fusion adds the block-scaled wgrad (fp32) into main_grad,
+    equal to the .grad of the unfused layer; a frozen row weight gets no gradient while dgrad still flows."""
+    torch.manual_seed(3)
+    plain = ColumnParallelLinear(K, F, tp_group=None)
+    fused = ColumnParallelLinear(K, F, tp_group=None, gradient_accumulation_fusion=True)
+    fused.load_state_dict(plain.state_dict())
+    fused.weight.main_grad = torch.full((F, K), 0.5)
+    row = RowParallelLinear(F, K, tp_group=None, input_is_parallel=True)
+    row.weight.requires_grad_(False)
+    x = torch.randn(128, 2, K)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with autocast(recipe=RECIPE):
+        y1 = row(plain(x1)[0])[0]
+        y2 = row(fused(x2)[0])[0]
+    y1.sum().backward()
+    y2.sum().backward()
+    assert fused.weight.grad is None and row.weight.grad is None and row.bias.grad is not None
+    torch.testing.assert_close(fused.weight.main_grad, 0.5 + plain.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=0, atol=0)
