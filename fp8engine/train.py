@@ -234,6 +234,17 @@ def _model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     return config
 
 
+def _check_block_run(args: argparse.Namespace, config: GPTConfig) -> None:
+    """:class:`UsageError` for what ``--recipe block`` cannot run: per-rank dims not multiples of 128 at ``--tp``
+    (one rank was checked with the model), and ``--compile`` (Inductor fails on the block-scaled casts' reference
+    code, torch 2.13 CPU: an internal shape assertion; ``aot_eager`` traces them exactly)."""
+    if args.compile:
+        raise UsageError("--compile is not supported with --recipe block yet (Inductor cannot compile the "
+                         "block-scaled casts); drop --compile, or use --recipe delayed / current")
+    if args.tp > 1:  # check_layout checked multiples of 16
+        _check_fp8_dims(args, config, args.tp)
+
+
 def _check_fp8_dims(args: argparse.Namespace, config: GPTConfig, tp_size: int) -> None:
     """:class:`UsageError` when the model's per-rank GEMM dims do not suit ``--recipe`` (multiples of 16; of 128
     for ``block``)."""
@@ -283,8 +294,8 @@ def prepare(args: argparse.Namespace) -> Run:
     args.seq_len = config.max_seq_len
     check_seq_len(data, args.seq_len)
     check_layout(args.tp, args.sequence_parallel, config, args.seq_len, args.precision == "fp8")
-    if args.precision == "fp8" and args.recipe == "block" and args.tp > 1:  # check_layout checked multiples of 16
-        _check_fp8_dims(args, config, args.tp)
+    if args.precision == "fp8" and args.recipe == "block":
+        _check_block_run(args, config)
     if args.out is not None and not args.out.strip():
         raise UsageError("--out must name a directory; got an empty string")
     out = Path(args.out) if args.out else None
