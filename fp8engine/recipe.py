@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Union
 
 __all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8BlockScaling", "Recipe", "FP8_MAX",
-           "AMAX_COMPUTE_ALGOS", "check_per_tensor_recipe"]
+           "AMAX_COMPUTE_ALGOS"]
 
 #: Largest finite magnitude of each FP8 encoding (OCP FP8 spec, "FP8 Formats for Deep Learning",
 #: Micikevicius et al. 2022): E4M3 saturates at 448, E5M2 at 57344.
@@ -141,7 +141,8 @@ class Float8BlockScaling:
     Per block: ``scale = fp8_max / amax(block)`` (1 where the amax is 0 or not finite), rounded down to a power of
     two when ``power_2_scale``; ``fp8 = saturate(x * scale)``, ``x ~= fp8 * scale_inv``, ``scale_inv = 1 / scale``.
     Layouts and kernels: :mod:`fp8engine.fp8.block_tensor`, :mod:`fp8engine.kernels.block_cast`; the GEMM:
-    :mod:`fp8engine.ops.block_gemm`.
+    :mod:`fp8engine.ops.block_gemm`; the modules' path: :mod:`fp8engine.fp8.block_quantizer`,
+    :mod:`fp8engine.ops.block_linear` (feature dims multiples of 128).
 
     Args:
         fp8_format: ``Format.E4M3`` (default, E4M3 everywhere, as DeepSeek-V3 and TransformerEngine's default) or
@@ -180,19 +181,3 @@ class Float8BlockScaling:
 
 Recipe = Union[DelayedScaling, CurrentScaling, Float8BlockScaling]
 
-
-def check_per_tensor_recipe(recipe, where: str) -> None:
-    """Refuse a recipe that a per-tensor-scaled op cannot honour, instead of silently scaling per tensor.
-
-    Args:
-        recipe: the active recipe. where: the module / op name for the message.
-    Raises:
-        NotImplementedError: ``recipe`` is a :class:`Float8BlockScaling` (these modules scale per tensor; the
-            block-scaled path is ``fp8engine.ops.block_linear.block_linear``).
-    """
-    if isinstance(recipe, Float8BlockScaling):
-        raise NotImplementedError(
-            f"{where}: Float8BlockScaling is not supported by the per-tensor FP8 modules and parallel layers yet; "
-            "use fp8engine.ops.block_linear.block_linear(x, weight, bias) for a block-scaled FP8 linear, or "
-            "DelayedScaling / CurrentScaling here"
-        )

@@ -9,7 +9,9 @@ Precision and parameter dtype:
 - ``bf16``: fp32 parameters (the optimizer's master weights), forward under ``torch.autocast(bfloat16)``.
 - ``fp8``: fp32 parameters; the TransformerLayers' GEMMs run in FP8 inside :func:`fp8engine.autocast`; on CUDA
   the rest of the forward also runs under ``torch.autocast(bfloat16)``, on the CPU it stays fp32. Embedding, LM
-  head and loss never run in FP8.
+  head and loss never run in FP8. ``--recipe``: ``delayed`` (per-tensor, amax history), ``current`` (per-tensor,
+  just in time) or ``block`` (:class:`~fp8engine.recipe.Float8BlockScaling`: 1 x 128 / 128 x 128 block scales,
+  just in time; the model's per-rank dims must be multiples of 128, e.g. the default ``tiny`` model).
 
 Keeping fp32 parameters costs memory but keeps AdamW's small updates exact, and FP8 casts the weights from them
 at every step anyway (TransformerEngine's recipe keeps fp32 master weights too).
@@ -86,6 +88,9 @@ _RUN_IDENTITY = ("model", "precision", "recipe", "batch_size", "seq_len", "lr", 
                  "weight_decay", "warmup_steps", "data", "n_layer", "n_head", "hidden_size", "ffn_hidden_size", "tp",
                  "sequence_parallel", "world_size")
 _SAMPLE_TEMPERATURE, _SAMPLE_TOP_K = 0.8, 40
+#: ``--recipe`` -> the recipe class (built with its defaults; Float8BlockScaling: E4M3, power-of-two scales).
+_RECIPES = {"delayed": fp8engine.DelayedScaling, "current": fp8engine.CurrentScaling,
+            "block": fp8engine.Float8BlockScaling}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, help="override the model's width")
     p.add_argument("--ffn-hidden-size", type=int, help="override the model's MLP width")
     p.add_argument("--precision", default="fp8", choices=("fp8", "bf16", "fp32"))
-    p.add_argument("--recipe", default="delayed", choices=("delayed", "current"), help="FP8 scaling recipe")
+    p.add_argument("--recipe", default="delayed", choices=tuple(_RECIPES),
+                   help="FP8 scaling recipe: per-tensor delayed or current scaling, or block (Float8BlockScaling: "
+                        "1x128 / 128x128 block scales; model dims multiples of 128)")
     p.add_argument("--steps", type=int, help="optimizer steps (default per model: tiny 600)")
     p.add_argument("--stop-at", type=int, help="end this run after this step, checkpointed, keeping the LR "
                                                "schedule of --steps; continue with --resume")
@@ -206,6 +213,9 @@ def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--resume needs --out DIR, the directory of the run to continue")
     if args.fp8_stats and args.precision != "fp8":
         raise UsageError(f"--fp8-stats counts FP8 casts; it needs --precision fp8 (got --precision {args.precision})")
+    if args.fp8_stats and args.recipe == "block":
+        raise UsageError("--fp8-stats counts per-tensor FP8 casts; block-scaled casts (--recipe block) are not "
+                         "counted: drop --fp8-stats or use --recipe delayed/current")
     if args.fp8_stats and args.compile:
         raise UsageError("--fp8-stats counts the casts of eager FP8 code; a torch.compile-d model is not counted: "
                          "drop --compile or --fp8-stats")
@@ -245,11 +255,34 @@ def _model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     except ValueError as err:
         raise UsageError(f"--model {args.model} with these sizes is invalid: {err}") from None
     if args.precision == "fp8":
-        problems = config.fp8_problems()
-        if problems:
-            raise UsageError(f"--model {args.model} cannot run in FP8: {problems[0]}; use sizes that are "
-                             "multiples of 16 or --precision bf16")
+        _check_fp8_dims(args, config, tp_size=1)
     return config
+
+
+def _check_block_run(args: argparse.Namespace, config: GPTConfig) -> None:
+    """:class:`UsageError` for what ``--recipe block`` cannot run: per-rank dims not multiples of 128 at ``--tp``
+    (one rank was checked with the model), and ``--compile`` (Inductor fails on the block-scaled casts' reference
+    code, torch 2.13 CPU: an internal shape assertion; ``aot_eager`` traces them exactly)."""
+    if args.compile:
+        raise UsageError("--compile is not supported with --recipe block yet (Inductor cannot compile the "
+                         "block-scaled casts); drop --compile, or use --recipe delayed / current")
+    if args.tp > 1:  # check_layout checked multiples of 16
+        _check_fp8_dims(args, config, args.tp)
+
+
+def _check_fp8_dims(args: argparse.Namespace, config: GPTConfig, tp_size: int) -> None:
+    """:class:`UsageError` when the model's per-rank GEMM dims do not suit ``--recipe`` (multiples of 16; of 128
+    for ``block``)."""
+    block = args.recipe == "block"
+    problems = config.fp8_problems(tp_size, align=fp8engine.Float8BlockScaling.BLOCK_SIZE if block else 16)
+    if not problems:
+        return
+    if block:
+        raise UsageError(f"--recipe block cannot run --model {args.model}"
+                         f"{f' at --tp {tp_size}' if tp_size > 1 else ''}: {problems[0]}; use sizes (per rank) "
+                         "that are multiples of 128, or --recipe delayed / current")
+    raise UsageError(f"--model {args.model} cannot run in FP8: {problems[0]}; use sizes that are "
+                     "multiples of 16 or --precision bf16")
 
 
 def _check_precision(args: argparse.Namespace, device: torch.device) -> None:
@@ -286,6 +319,8 @@ def prepare(args: argparse.Namespace) -> Run:
     args.seq_len = config.max_seq_len
     check_seq_len(data, args.seq_len)
     check_layout(args.tp, args.sequence_parallel, config, args.seq_len, args.precision == "fp8")
+    if args.precision == "fp8" and args.recipe == "block":
+        _check_block_run(args, config)
     if args.out is not None and not args.out.strip():
         raise UsageError("--out must name a directory; got an empty string")
     out = Path(args.out) if args.out else None
@@ -338,7 +373,7 @@ def _precision_context(args: argparse.Namespace, device: torch.device, train: bo
     if args.precision == "bf16" or (args.precision == "fp8" and device.type == "cuda"):
         stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
     if args.precision == "fp8":
-        recipe = fp8engine.DelayedScaling() if args.recipe == "delayed" else fp8engine.CurrentScaling()
+        recipe = _RECIPES[args.recipe]()
         stack.enter_context(fp8engine.fp8_autocast(True, recipe, fp8_group=amax_group) if train
                             else recompute_context(FP8Context(recipe, amax_group)))
     return stack

@@ -114,6 +114,7 @@ def run_single(args) -> list[dict]:
     cases = [("plain PyTorch block bf16 eager", plain, None), ("fp8engine TransformerLayer bf16", ours, None),
              ("fp8engine TransformerLayer fp8 delayed", ours, fe.DelayedScaling()),
              ("fp8engine TransformerLayer fp8 current", ours, fe.CurrentScaling()),
+             ("fp8engine TransformerLayer fp8 block (Float8BlockScaling)", ours, fe.Float8BlockScaling()),
              ("fp8engine TransformerLayer fp8 delayed, fuse_wgrad_accumulation (fp32 main_grad)",
               _ours(h, f, heads, dev, fuse_wgrad=True), fe.DelayedScaling()),
              (_CACHED, ours, fe.DelayedScaling())]
@@ -172,7 +173,7 @@ def run_tp(args) -> list[dict]:
     x = torch.randn(s // tp, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     rows, flops = [], layer_flops(s, b, h, f)
-    for name, recipe in (("bf16", None), ("fp8 delayed", fe.DelayedScaling())):
+    for name, recipe in (("bf16", None), ("fp8 delayed", fe.DelayedScaling()), ("fp8 block", fe.Float8BlockScaling())):
         peak_memory_gib(reset=True)
         ms = time_fn(fwd_bwd_step(ours, x, dy, recipe, amax_group=group), warmup=3, iters=args.iters)
         rows.append({"impl": f"fp8engine TransformerLayer {name} tp={tp} sp", "ms": ms,

@@ -28,7 +28,8 @@ def bench_shape(m: int, k: int, n: int, device: str, iters: int, with_torchao: b
     flops = 6.0 * m * k * n
     cases = [("nn.Linear bf16", ref, None), ("fp8engine bf16", ours, None),
              ("fp8engine fp8 delayed", ours, fe.DelayedScaling()),
-             ("fp8engine fp8 current", ours, fe.CurrentScaling())]
+             ("fp8engine fp8 current", ours, fe.CurrentScaling()),
+             ("fp8engine fp8 block", ours, fe.Float8BlockScaling())]
     if with_torchao:
         cases.append(("torchao.float8 eager", torchao_float8(ref), None))
         cases.append(("torchao.float8 compile", torchao_float8(ref, compile=True), None))

@@ -42,6 +42,8 @@ MODES = {
     "fp8-current-graph": ["--precision", "fp8", "--recipe", "current"],
     "fp8-delayed-compile": ["--precision", "fp8", "--recipe", "delayed", "--compile"],
     "fp8-current-compile": ["--precision", "fp8", "--recipe", "current", "--compile"],
+    "fp8-block": ["--precision", "fp8", "--recipe", "block", "--no-cuda-graphs"],
+    "fp8-block-graph": ["--precision", "fp8", "--recipe", "block"],
 }
 #: model -> micro-batch size (the end-to-end issue's shapes: gpt2-124m 16 x 1024, 1b 4 x 2048).
 BATCH = {"tiny": 16, "small": 64, "gpt2-124m": 16, "1b": 4}

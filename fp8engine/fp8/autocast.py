@@ -105,7 +105,8 @@ def get_fp8_context() -> Optional[FP8Context]:
 
 
 def get_fp8_recipe():
-    """The active recipe (:class:`DelayedScaling` or :class:`CurrentScaling`), or None outside FP8 regions."""
+    """The active recipe (:class:`DelayedScaling`, :class:`CurrentScaling` or :class:`Float8BlockScaling`), or None
+    outside FP8 regions."""
     ctx = get_fp8_context()
     return None if ctx is None else ctx.recipe
 
@@ -117,8 +118,8 @@ def autocast(enabled: bool = True, recipe=None, amax_group=None):
     Args:
         enabled: False opens a region where FP8 is off (inside an enabled one too); nesting restores the outer.
         recipe: :class:`fp8engine.recipe.DelayedScaling`, :class:`fp8engine.recipe.CurrentScaling` or
-            :class:`fp8engine.recipe.Float8BlockScaling` (the per-tensor modules refuse the last at their first
-            forward; see :func:`fp8engine.recipe.check_per_tensor_recipe`).
+            :class:`fp8engine.recipe.Float8BlockScaling` (block-scaled GEMMs; the modules' GEMM dims must then be
+            multiples of 128, checked at their first forward).
         amax_group: a ``torch.distributed`` process group across which amaxes are MAX-reduced before the scale
             update (``DelayedScaling.reduce_amax``); usually the data-parallel (or dp x tp) group.
     Raises:

@@ -11,7 +11,8 @@ Recipes (``kind``):
   for forward roles while activation checkpointing recomputes: the amax was counted in the first forward).
 - ``"current"`` (:class:`~fp8engine.recipe.CurrentScaling`): ``scale = fp8_max / max |x|`` of the tensor being cast
   (1.0 where that amax is 0 or not finite); nothing recorded, ``scale`` and ``amax`` are None.
-Other recipe kinds (e.g. block scaling) get their own ``kind`` and ``quantize`` branch here.
+- ``"block"`` (:class:`~fp8engine.recipe.Float8BlockScaling`): :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer`
+  objects instead (1 x 128 / 128 x 128 block scales, just in time; nothing recorded), built and cached the same way.
 
 Backend: :func:`fp8engine.fp8.float8_tensor.use_kernels` picks the Triton kernels (CUDA) or the plain-PyTorch
 reference (CPU); both give the same FP8 bits for the same scale.
@@ -24,7 +25,7 @@ import torch
 
 from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize_torch, use_kernels
-from fp8engine.recipe import CurrentScaling, DelayedScaling, check_per_tensor_recipe
+from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling
 
 __all__ = ["Quantizer", "LinearQuantizers", "get_quantizers", "recipe_kind"]
 
@@ -33,15 +34,15 @@ _CACHE_SIZE = 8
 
 
 def recipe_kind(recipe) -> str:
-    """``"delayed"`` or ``"current"`` for a recipe object; ``NotImplementedError`` for
-    :class:`~fp8engine.recipe.Float8BlockScaling` (:func:`~fp8engine.recipe.check_per_tensor_recipe`), ``TypeError``
-    for any other."""
+    """``"delayed"``, ``"current"`` or ``"block"`` for a recipe object; ``TypeError`` for any other."""
     if isinstance(recipe, DelayedScaling):
         return "delayed"
     if isinstance(recipe, CurrentScaling):
         return "current"
-    check_per_tensor_recipe(recipe, "per-tensor FP8 quantizer (modules, parallel layers)")
-    raise TypeError(f"no FP8 quantizer for recipe {type(recipe).__name__}; use DelayedScaling or CurrentScaling")
+    if isinstance(recipe, Float8BlockScaling):
+        return "block"
+    raise TypeError(f"no FP8 quantizer for recipe {type(recipe).__name__}; use DelayedScaling, CurrentScaling or "
+                    "Float8BlockScaling")
 
 
 class Quantizer:
@@ -164,6 +165,9 @@ class Quantizer:
         dy_fp8 = self.quantize(dy, transpose=transpose)
         return dy_fp8, (dy.sum(0, dtype=torch.float32).to(dy.dtype) if dbias else None)
 
+    #: per-tensor scaling (the block-scaled counterpart, ``BlockQuantizer``, has True; modules branch on it)
+    is_block = False
+
     def __repr__(self) -> str:
         return (f"Quantizer(role={self.role!r}, kind={self.kind!r}, fp8_dtype={self.fp8_dtype}, "
                 f"record_amax={self.record_amax})")
@@ -189,6 +193,11 @@ def _build(state, recipe, record_amax: bool, counters=None, fwd_scale: Optional[
     scale views come from (default ``state.scale``; a compiled forward passes
     :func:`fp8engine.fp8.library.frozen_scale` of it)."""
     kind = recipe_kind(recipe)
+    if kind == "block":
+        from fp8engine.fp8.block_quantizer import block_quantizers_for
+
+        qs = block_quantizers_for(recipe, len(state.roles))
+        return tuple(LinearQuantizers(*qs[i:i + 3]) for i in range(0, len(qs) - len(qs) % 3, 3))
     fwd, bwd = fp8_dtype_of(recipe.fp8_format.fwd), fp8_dtype_of(recipe.fp8_format.bwd)
     qs = []
     for i, role in enumerate(state.roles):

@@ -106,11 +106,13 @@ class GPTConfig:
             raise ValueError(f"unknown model {name!r}; choose one of {', '.join(GPT_CONFIGS)}")
         return dataclasses.replace(GPT_CONFIGS[name], **overrides)
 
-    def fp8_problems(self, tp_size: int = 1) -> list[str]:
+    def fp8_problems(self, tp_size: int = 1, align: int = FP8_ALIGN) -> list[str]:
         """Why this model's Linears cannot run as FP8 GEMMs with ``tp_size``-way tensor parallelism ([] if they can).
 
         Per rank the Linears are QKV ``h -> (n_head + 2 kv_heads) * head_dim / tp``, proj ``h / tp -> h``,
-        fc1 ``h -> ffn / tp``, fc2 ``ffn / tp -> h``; each dim must be a multiple of :data:`FP8_ALIGN`.
+        fc1 ``h -> ffn / tp``, fc2 ``ffn / tp -> h``; each dim must be a multiple of ``align``:
+        :data:`FP8_ALIGN` for per-tensor scaling, ``Float8BlockScaling.BLOCK_SIZE`` (128) for block scaling.
+        (swiglu's fc1 has ``2 * ffn / tp`` outputs, a multiple of ``align`` when ``ffn / tp`` is.)
         """
         qkv = (self.n_head + 2 * self.kv_heads) * self.head_dim
         dims = {"hidden_size": self.hidden_size, "ffn_hidden_size": self.ffn_hidden_size,
@@ -119,9 +121,9 @@ class GPTConfig:
         for what, dim in dims.items():
             if dim % tp_size:
                 problems.append(f"{what}={dim} is not divisible by tp={tp_size}")
-            elif (dim // tp_size) % FP8_ALIGN:
+            elif (dim // tp_size) % align:
                 per_rank = "" if tp_size == 1 else f" per rank ({dim // tp_size} with tp={tp_size})"
-                problems.append(f"{what}={dim}{per_rank} is not a multiple of {FP8_ALIGN}")
+                problems.append(f"{what}={dim}{per_rank} is not a multiple of {align}")
         return problems
 
     def num_params(self) -> int:

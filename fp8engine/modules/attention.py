@@ -6,7 +6,8 @@ QKV projection: a :class:`LayerNormLinear` (column-parallel under TP). Its fused
 (Megatron-LM / TransformerEngine's interleaved layout), so a contiguous slice of rows is a whole set of groups
 and tensor parallelism splits it without reordering. Attention itself runs in the activations' precision
 (bf16/fp32) through ``torch.nn.functional.scaled_dot_product_attention``. The output projection is row-parallel
-under TP.
+under TP. Under ``Float8BlockScaling`` both projections are block-scaled (norm, QKV split and its gradient assembly
+in high precision: :class:`LayerNormLinear`); ``hidden_size`` and the per-rank QKV width must be multiples of 128.
 """
 from __future__ import annotations
 

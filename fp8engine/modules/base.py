@@ -10,6 +10,7 @@ from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer, get_quantizers
 from fp8engine.fp8.state import ScalingState
+from fp8engine.ops.block_linear import check_block_dims
 from fp8engine.ops.gemm import check_gemm_dims
 
 __all__ = ["FP8Module", "FP8WeightCache"]
@@ -49,7 +50,9 @@ class FP8Module(nn.Module):
 
     Subclasses call :meth:`fp8_begin` at the top of ``forward``; it returns None outside FP8 regions, else one
     :class:`LinearQuantizers` per GEMM (``roles`` holds ``input, weight, grad_output`` per GEMM, in the order of
-    ``gemm_dims``).
+    ``gemm_dims``). Under :class:`~fp8engine.recipe.Float8BlockScaling` its entries are
+    :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer` objects (``quantizers[g].input.is_block``) and the
+    subclass routes the GEMMs through :func:`fp8engine.ops.block_linear.block_fp8_linear`.
     """
 
     def __init__(self, roles: Sequence[str], gemm_dims: Sequence[tuple[int, int]], device=None):
@@ -57,9 +60,12 @@ class FP8Module(nn.Module):
         self.fp8_state = ScalingState(roles, device=device)
         self._gemm_dims = tuple(gemm_dims)
         self._fp8_dims_checked = False
+        self._block_dims_checked = False
         self._weight_cache = FP8WeightCache()
 
     def fp8_begin(self) -> Optional[tuple[LinearQuantizers, ...]]:
+        """None outside FP8 regions, else the quantizers (class docstring). Checks the GEMM dims once per kind:
+        ``ValueError`` naming the dim when one is not a multiple of 16 (of 128 under block scaling)."""
         ctx = get_fp8_context()
         if ctx is None:
             return None
@@ -69,7 +75,11 @@ class FP8Module(nn.Module):
         elif not self._fp8_dims_checked:
             self._check_fp8_dims()
             self._fp8_dims_checked = True
-        return get_quantizers(self.fp8_state, ctx)
+        quantizers = get_quantizers(self.fp8_state, ctx)
+        if quantizers[0].input.is_block and not self._block_dims_checked:
+            check_block_dims(self._gemm_dims, type(self).__name__)
+            self._block_dims_checked = True
+        return quantizers
 
     def _check_fp8_dims(self) -> None:
         for k, n in self._gemm_dims:
@@ -77,7 +87,8 @@ class FP8Module(nn.Module):
 
     def fp8_weight(self, name: str, weight: torch.Tensor, quantizer: Quantizer,
                    is_first_microbatch: Optional[bool]) -> Float8Tensor:
-        """``weight`` cast by ``quantizer`` (a GEMM's weight role), through the weight cache (``name`` its key)."""
+        """``weight`` cast by ``quantizer`` (a GEMM's weight role), through the weight cache (``name`` its key).
+        A ``BlockQuantizer`` returns (and the cache keeps) its ``(qw, qw_t)`` pair instead of a Float8Tensor."""
         # dgrad needs W^T whenever a backward may run (the input may require grad even if W does not).
         return self._weight_cache.get(name, weight, quantizer, is_first_microbatch,
                                       transpose=torch.is_grad_enabled())

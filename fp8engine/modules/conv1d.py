@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.modules.linear import Linear, autocast_input
+from fp8engine.ops.block_linear import block_fp8_linear
 from fp8engine.ops.linear import fp8_linear
 
 __all__ = ["Conv1DLinear"]
@@ -23,7 +24,8 @@ class Conv1DLinear(Linear):
     ``weight`` through that copy. ``fuse_wgrad_accumulation`` is not offered (``main_grad`` belongs to the view).
 
     Args:
-        in_features, out_features: ``K`` and ``N`` (``Conv1D``'s ``nx`` and ``nf``); multiples of 16 for FP8.
+        in_features, out_features: ``K`` and ``N`` (``Conv1D``'s ``nx`` and ``nf``); multiples of 16 for FP8 (128 under
+            ``Float8BlockScaling``).
         bias: add a learnable ``[N]`` bias.
         params_dtype, device: as for :class:`Linear`.
     Shapes: input ``[*, K]`` -> output ``[*, N]``.
@@ -42,4 +44,6 @@ class Conv1DLinear(Linear):
         w = w.contiguous()
         q = quantizers[0]
         w_fp8 = self.fp8_weight("weight", w, q.weight, is_first_microbatch)
+        if q.input.is_block:  # Float8BlockScaling
+            return block_fp8_linear(x, w, bias, q, w_q=w_fp8)
         return fp8_linear(x, w, bias, q, w_fp8=w_fp8, fuse_wgrad=False)

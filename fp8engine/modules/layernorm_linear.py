@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.base import FP8Module
+from fp8engine.ops.block_linear import block_fp8_linear
 from fp8engine.ops.init import init_linear_params
 from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
@@ -107,11 +108,13 @@ def input_norm(module, x: torch.Tensor, quantizer, residual: Optional[torch.Tens
 
     Under FP8 (``quantizer``: the first GEMM's input role) and without sequence parallelism the norm kernel also
     writes the FP8 copy (``ln`` is then only a gradient carrier unless ``return_layernorm_output``);
-    otherwise ``ln_fp8`` is None (sequence parallel: the cast comes after the all-gather). ``s`` is the normalised
+    otherwise ``ln_fp8`` is None (sequence parallel: the cast comes after the all-gather). Under
+    ``Float8BlockScaling`` the norm is not fused with the cast (the norm kernels write per-tensor scales only): the
+    norm writes ``ln`` in high precision and the block GEMM op casts it (1 x 128 tiles). ``s`` is the normalised
     tensor, ``x`` or ``x + residual`` (see :func:`fp8engine.ops.norm_linear.norm`)."""
     common = dict(rms=module._rms, zero_centered_gamma=module.zero_centered_gamma, residual=residual,
                   return_input=True)
-    if quantizer is None or module.sequence_parallel:
+    if quantizer is None or module.sequence_parallel or quantizer.is_block:
         ln, s = norm(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, **common)
         return ln, None, s
     return norm_cast(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, quantizer=quantizer,
@@ -131,6 +134,13 @@ def norm_module_outputs(module, y: torch.Tensor, ln: torch.Tensor, s: torch.Tens
 class LayerNormLinear(FP8Module):
     """``y = norm(x) @ weight.T + bias``; inside :func:`fp8engine.autocast` the norm op writes its output in FP8
     directly for the GEMM (state rows ``("input", "weight", "grad_output")``, input = the norm output).
+
+    Under ``Float8BlockScaling`` (unfused): the norm runs in high precision, then
+    :func:`fp8engine.ops.block_linear.block_fp8_linear` casts its output to 1 x 128 tiles and runs the three GEMMs
+    block-scaled; with ``qkv_split`` the output is split by the high-precision ``split_grouped_qkv`` (its backward
+    assembles dq, dk, dv into one buffer that the block op casts: the fused QKV-gradient cast kernel writes
+    per-tensor scales only). In and out features must then be multiples of 128 (``ValueError`` at the first FP8
+    forward).
 
     Outside autocast it equals ``F.linear(F.layer_norm(x, ...), weight, bias)`` (or ``F.rms_norm``) bit for bit.
 
@@ -249,7 +259,11 @@ class LayerNormLinear(FP8Module):
                 out = split_grouped_qkv(out, *qkv_split)
         else:
             w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
-            if qkv_split is not None:
+            if q.input.is_block:  # Float8BlockScaling: unfused (class docstring)
+                out = block_fp8_linear(total, weight, bias, q, w_q=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
+                if qkv_split is not None:
+                    out = split_grouped_qkv(out, *qkv_split)
+            elif qkv_split is not None:
                 out = fp8_linear_qkv(total, weight, bias, q, qkv_split, w_fp8=w_fp8, x_fp8=ln_fp8,
                                      fuse_wgrad=self.fuse_wgrad_accumulation)
             else:

@@ -11,6 +11,7 @@ from fp8engine.modules.base import FP8Module
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
                                                 exit_row_parallel, input_norm, master_weight, new_param,
                                                 norm_module_outputs, shard, tp_size_rank)
+from fp8engine.ops.block_mlp import block_fp8_mlp
 from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, _unfused_fp8_mlp, activation, fp8_mlp
 from fp8engine.ops.norm_linear import NORMALIZATIONS
@@ -26,6 +27,11 @@ class LayerNormMLP(FP8Module):
     Inside :func:`fp8engine.autocast` the norm writes fc1's FP8 input and the activation writes fc2's FP8 input;
     one :class:`ScalingState` holds rows ``MLP_ROLES`` (fc1 input/weight/grad_output, then fc2's). Outside autocast
     it is plain PyTorch (``F.layer_norm``/``F.rms_norm``, ``F.linear``, the activation), bit for bit.
+
+    Under ``Float8BlockScaling`` both GEMMs are block-scaled and nothing is fused with a cast: norm (high
+    precision) -> fc1 -> activation (high precision) -> fc2 (:func:`fp8engine.ops.block_mlp.block_fp8_mlp`; the
+    norm, activation and GELU-epilogue kernels write per-tensor scales only). ``fused`` and ``gelu_epilogue`` do not
+    apply. ``hidden_size`` and ``F/tp`` (``2F/tp`` for swiglu) must be multiples of 128.
 
     Args:
         hidden_size: ``h``; ffn_hidden_size: ``F`` (both multiples of 16 for FP8, ``F/tp`` too).
@@ -122,6 +128,10 @@ class LayerNormMLP(FP8Module):
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         w1 = self.fp8_weight("fc1_weight", self.fc1_weight, fc1.weight, is_first_microbatch)
         w2 = self.fp8_weight("fc2_weight", self.fc2_weight, fc2.weight, is_first_microbatch)
+        if fc1.input.is_block:  # Float8BlockScaling: unfused (class docstring)
+            y = block_fp8_mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation,
+                              fc1, fc2, w1_q=w1, w2_q=w2, fuse_wgrad=fuse)
+            return y, ln, s
         mlp = fp8_mlp if self.fused else _unfused_fp8_mlp
         y = mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation, fc1, fc2,
                 w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=fuse, gelu_epilogue=self.gelu_epilogue)

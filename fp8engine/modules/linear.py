@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.base import FP8Module
+from fp8engine.ops.block_linear import block_fp8_linear
 from fp8engine.ops.init import default_init
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear, linear_main_grad
 
@@ -26,15 +27,17 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(FP8Module):
-    """``y = x @ weight.T + bias``, in FP8 (per-tensor scaling) inside :func:`fp8engine.autocast`.
+    """``y = x @ weight.T + bias``, in FP8 inside :func:`fp8engine.autocast`.
 
     Outside autocast it is ``torch.nn.functional.linear``, bit for bit. Inside, fprop/dgrad/wgrad run as FP8
     GEMMs, the scaling state (``fp8_state``: amax history and scale of input, weight, grad_output) lives in
-    buffers, so ``state_dict`` round-trips it.
+    buffers, so ``state_dict`` round-trips it. Under ``Float8BlockScaling`` the three GEMMs are block-scaled
+    (:func:`fp8engine.ops.block_linear.block_fp8_linear`: input and gradient 1 x 128 tiles, weight 128 x 128
+    blocks, scales just in time; the ``fp8_state`` buffers are not used).
 
     Args:
-        in_features, out_features: ``K`` and ``N``; FP8 needs both to be multiples of 16 (``ValueError`` at the
-            first FP8 forward otherwise).
+        in_features, out_features: ``K`` and ``N``; FP8 needs both to be multiples of 16, of 128 under
+            ``Float8BlockScaling`` (``ValueError`` at the first FP8 forward otherwise).
         bias: add a learnable ``[N]`` bias.
         params_dtype: dtype of weight and bias (default ``torch.get_default_dtype()``).
         device: where to allocate parameters and state.
@@ -78,6 +81,8 @@ class Linear(FP8Module):
         x = autocast_input(x)
         q = quantizers[0]
         w_fp8 = self.fp8_weight("weight", self.weight, q.weight, is_first_microbatch)
+        if q.input.is_block:
+            return block_fp8_linear(x, self.weight, bias, q, w_q=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
         return fp8_linear(x, self.weight, bias, q, w_fp8=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
 
     def extra_repr(self) -> str:

@@ -1,5 +1,6 @@
 """``TransformerLayer``: a pre-norm GPT block, ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``, every
-GEMM in FP8 inside :func:`fp8engine.autocast` (TransformerEngine's ``TransformerLayer`` subset)."""
+GEMM in FP8 inside :func:`fp8engine.autocast` (TransformerEngine's ``TransformerLayer`` subset). Every recipe runs,
+``Float8BlockScaling`` too (per-rank GEMM dims multiples of 128; norms and activation unfused, see the sublayers)."""
 from __future__ import annotations
 
 import contextlib

@@ -5,91 +5,146 @@
     wgrad: dw = dy.T @ x     dy^T and x^T re-tiled: 1 x 128 tiles along the token dim M
 Every scale is computed just in time from its own tile's amax (no history, nothing recorded); each operand is cast
 once, its transposed (re-tiled) copy written by the same kernel pass. The bias gradient is ``dy.sum(0)`` in fp32.
-Forward tensors are cast to ``recipe.fp8_format.fwd``, gradients to ``.bwd`` (E4M3, or E5M2 with HYBRID).
+Forward tensors are cast to ``recipe.fp8_format.fwd``, gradients to ``.bwd`` (E4M3, or E5M2 with HYBRID). The
+casts are done by the GEMM's :class:`~fp8engine.fp8.quantizer.LinearQuantizers` of
+:class:`~fp8engine.fp8.block_quantizer.BlockQuantizer` objects (what ``FP8Module.fp8_begin()`` returns under the
+recipe); :func:`block_fp8_linear` is the entry point of the modules, :func:`block_linear` the standalone one.
 
 Shapes: ``x`` ``[*, K]`` (e.g. ``[s, b, h]``), ``weight`` ``[N, K]``, ``bias`` ``[N]``; M = product of x's leading dims.
-M, K and N must be multiples of 128 (the GEMMs' block; M because wgrad contracts over it). Dtypes: x and weight
-bf16 or fp32 (the GEMM writes bf16 or fp32); y and dx in x's dtype, dw in weight's dtype.
+K and N must be multiples of 128 (the GEMMs' scaling block; :func:`check_block_dims`). M need not be: when it is not
+a multiple of 128 the op zero-pads the token rows of ``x`` and ``dy`` to the next multiple (one copy of each) and
+slices the outputs back. Padding is exact: a zero row adds nothing to any tile's amax or to the wgrad sum, and 1 x
+128 tiles of the other operands are per row. Dtypes: x and weight bf16 or fp32 (the GEMM writes bf16 or fp32); y
+and dx in x's dtype, dw in weight's dtype (fp32 into ``weight.main_grad`` with ``fuse_wgrad``).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from fp8engine.fp8.block_tensor import BLOCK_128x128, TILE_1x128, quantize_block
-from fp8engine.fp8.dtypes import fp8_dtype_of
+from fp8engine.fp8.block_quantizer import block_quantizers_for
+from fp8engine.fp8.quantizer import LinearQuantizers
 from fp8engine.ops.block_gemm import block_gemm
+from fp8engine.ops.linear import main_grad_of
 from fp8engine.recipe import Float8BlockScaling
 
-__all__ = ["block_linear", "BlockLinearFunction"]
+__all__ = ["block_linear", "block_fp8_linear", "BlockLinearFunction", "check_block_dims", "BLOCK_DTYPES"]
 
 _B = Float8BlockScaling.BLOCK_SIZE
+#: High-precision dtypes the block GEMM can write (``torch.nn.functional.scaled_mm``'s block-wise outputs).
+BLOCK_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def check_block_dims(gemm_dims: Sequence[tuple[int, int]], what: str) -> None:
+    """Raise ``ValueError`` unless every GEMM ``(in_features K, out_features N)`` in ``gemm_dims`` has both dims a
+    multiple of 128, as the ``Float8BlockScaling`` GEMMs need (``what``: the module, for the message; a module with
+    several GEMMs, e.g. LayerNormMLP's fc1 and fc2, gets the GEMM's position named too)."""
+    for i, (k, n) in enumerate(gemm_dims):
+        gemm = f" (GEMM {i + 1} of {len(gemm_dims)})" if len(gemm_dims) > 1 else ""
+        for name, dim in (("in_features", k), ("out_features", n)):
+            if dim % _B:
+                raise ValueError(
+                    f"{what}: {name}={dim}{gemm} is not a multiple of {_B}, which the Float8BlockScaling recipe's "
+                    f"block GEMMs require (1 x {_B} and {_B} x {_B} scaling blocks); pad it to {-(-dim // _B) * _B}, "
+                    "or use DelayedScaling / CurrentScaling (multiples of 16) for this model")
+
+
+def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
 class BlockLinearFunction(torch.autograd.Function):
-    """fprop / dgrad / wgrad in block-scaled FP8 (module docstring). Use through :func:`block_linear`."""
+    """fprop / dgrad / wgrad in block-scaled FP8 (module docstring). Use through :func:`block_fp8_linear` or
+    :func:`block_linear`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fwd_dtype: torch.dtype,
-                bwd_dtype: torch.dtype, power_2_scale: bool, use_kernel: Optional[bool], use_hw: Optional[bool]):
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        cast = dict(power_2_scale=power_2_scale, use_kernel=use_kernel)
-        if need_wgrad:
-            qx, qx_t = quantize_block(x2, fwd_dtype, TILE_1x128, transpose=True, **cast)
-        else:
-            qx, qx_t = quantize_block(x2, fwd_dtype, TILE_1x128, **cast), None
-        if need_dgrad:
-            qw, qw_t = quantize_block(weight, fwd_dtype, BLOCK_128x128, transpose=True, **cast)
-        else:
-            qw, qw_t = quantize_block(weight, fwd_dtype, BLOCK_128x128, **cast), None
-        y = block_gemm(qx, qw, x.dtype, use_hw=use_hw)  # fprop
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                quantizers: LinearQuantizers, w_q: Optional[tuple], fuse_wgrad: bool, use_hw: Optional[bool]):
+        x2 = x.reshape(-1, x.shape[-1])
+        m = x2.shape[0]
+        pad = -m % _B
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or fuse_wgrad
+        qx, qx_t = quantizers.input.quantize(_pad_rows(x2, pad), transpose=need_dw)
+        qw, qw_t = quantizers.weight.quantize(weight, transpose=need_dx) if w_q is None else w_q
+        if need_dx and qw_t is None:  # a cached weight cast without its transpose (exact for 128 x 128 blocks)
+            qw_t = qw.t()
+        y = block_gemm(qx, qw, x.dtype, use_hw=use_hw)  # fprop: [M, K] x [N, K] -> [M, N]
+        if pad:
+            y = y[:m]
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.saved = (qx_t, qw_t)
-        ctx.cfg = (bwd_dtype, power_2_scale, use_kernel, use_hw, x.shape, x.dtype, weight.dtype,
-                   bias is not None and ctx.needs_input_grad[2])
+        ctx.save_for_backward(weight)
+        ctx.saved = (qx_t if need_dw else None, qw_t if need_dx else None)
+        ctx.cfg = (quantizers.grad_output, fuse_wgrad, use_hw, x.shape, x.dtype, pad)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        (weight,) = ctx.saved_tensors
         qx_t, qw_t = ctx.saved
-        bwd_dtype, power_2_scale, use_kernel, use_hw, x_shape, x_dtype, w_dtype, need_dbias = ctx.cfg
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if dy2.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            dy2 = dy2.float()
-        cast = dict(power_2_scale=power_2_scale, use_kernel=use_kernel)
-        dx = dw = dbias = None
-        if qx_t is not None:
-            qdy, qdy_t = quantize_block(dy2, bwd_dtype, TILE_1x128, transpose=True, **cast)
-            dw = block_gemm(qdy_t, qx_t, w_dtype, use_hw=use_hw)  # wgrad: [N, M] x [K, M] -> [N, K]
-        else:
-            qdy = quantize_block(dy2, bwd_dtype, TILE_1x128, **cast)
-        if qw_t is not None:
-            dx = block_gemm(qdy, qw_t, x_dtype, use_hw=use_hw).reshape(x_shape)  # dgrad: [M, N] x [K, N]
-        if need_dbias:
-            dbias = dy2.float().sum(0)
+        grad_q, fuse_wgrad, use_hw, x_shape, x_dtype, pad = ctx.cfg
         ctx.saved = None
-        return dx, dw, (dbias.to(w_dtype) if dbias is not None else None), None, None, None, None, None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if dy2.dtype not in BLOCK_DTYPES:
+            dy2 = dy2.float()
+        dx = dw = dbias = None
+        if qx_t is not None or qw_t is not None:
+            qdy, qdy_t = grad_q.quantize(_pad_rows(dy2, pad), transpose=qx_t is not None)
+            if qw_t is not None:  # dgrad: [M, N] x [K, N] -> [M, K]
+                dx = block_gemm(qdy, qw_t, x_dtype, use_hw=use_hw)
+                dx = (dx[:dx.shape[0] - pad] if pad else dx).reshape(x_shape)
+            if qx_t is not None:  # wgrad: [N, M] x [K, M] -> [N, K]
+                if fuse_wgrad:
+                    main_grad_of(weight).add_(block_gemm(qdy_t, qx_t, torch.float32, use_hw=use_hw))
+                else:
+                    dw = block_gemm(qdy_t, qx_t, weight.dtype, use_hw=use_hw)
+        if ctx.needs_input_grad[2]:
+            dbias = dy2.sum(0, dtype=torch.float32).to(weight.dtype)
+        return dx, dw, dbias, None, None, None, None
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     quantizers: LinearQuantizers, *, w_q: Optional[tuple] = None, fuse_wgrad: bool = False,
+                     use_hw: Optional[bool] = None) -> torch.Tensor:
+    """Block-scaled FP8 ``x @ weight.T + bias`` with gradients: the modules' entry point (no per-call validation:
+    the module checked K and N once with :func:`check_block_dims`).
+
+    Args:
+        x: ``[*, K]`` bf16 / fp32; output ``[*, N]`` in x's dtype. weight: ``[N, K]`` bf16 / fp32. bias: ``[N]``
+            or None.
+        quantizers: the GEMM's :class:`LinearQuantizers` of ``BlockQuantizer`` objects (``fp8_begin()`` under
+            ``Float8BlockScaling``).
+        w_q: the weight already cast, ``(qw, qw_t or None)`` from ``quantizers.weight.quantize`` (FP8 weight caching
+            across micro-batches); cast now when None.
+        fuse_wgrad: add wgrad (fp32) into ``weight.main_grad``; ``weight.grad`` stays None.
+        use_hw: see :func:`fp8engine.ops.block_gemm.block_gemm` (default: cuBLASLt where available).
+    Raises:
+        TypeError: x or weight in another dtype than bf16 / fp32 (e.g. fp16: the block GEMM has no fp16 output).
+    """
+    if x.dtype not in BLOCK_DTYPES or weight.dtype not in BLOCK_DTYPES:
+        raise TypeError(f"Float8BlockScaling: x is {x.dtype} and the weight {weight.dtype}; the block-scaled GEMMs "
+                        "take bfloat16 or float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
+    return BlockLinearFunction.apply(x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw)
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  recipe: Optional[Float8BlockScaling] = None, *, use_kernel: Optional[bool] = None,
                  use_hw: Optional[bool] = None) -> torch.Tensor:
-    """``y = x @ weight.T + bias`` with all three GEMMs in block-scaled FP8 (module docstring).
+    """``y = x @ weight.T + bias`` with all three GEMMs in block-scaled FP8, standalone (module docstring).
 
     Args:
         x: ``[*, K]`` bf16 / fp32. weight: ``[N, K]`` bf16 / fp32. bias: ``[N]`` or None.
         recipe: a :class:`Float8BlockScaling` (default ``Float8BlockScaling()``: E4M3, power-of-two scales).
-        use_kernel: Triton cast kernels (default: on CUDA) or the plain-PyTorch references (False).
+        use_kernel: Triton cast kernels (True), the plain-PyTorch references (False), or
+            :func:`~fp8engine.fp8.float8_tensor.use_kernels`'s choice (None: the kernels on CUDA).
         use_hw: see :func:`fp8engine.ops.block_gemm.block_gemm`.
     Returns:
         ``[*, N]`` in x's dtype.
     Raises:
         TypeError: ``recipe`` not a Float8BlockScaling; x / weight dtypes other than bf16 / fp32.
-        ValueError: weight not 2-D, feature dims mismatch, or M, K, N not multiples of 128.
+        ValueError: weight not 2-D, feature dims mismatch, or K, N not multiples of 128 (M is padded).
     """
     recipe = Float8BlockScaling() if recipe is None else recipe
     if not isinstance(recipe, Float8BlockScaling):
@@ -98,13 +153,8 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         raise ValueError(f"block_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                          "(want x [*, K], weight [N, K])")
     for name, t in (("x", x), ("weight", weight)):
-        if t.dtype not in (torch.bfloat16, torch.float32):
+        if t.dtype not in BLOCK_DTYPES:
             raise TypeError(f"block_linear: {name} has dtype {t.dtype}; supported: bfloat16, float32")
-    m = x.numel() // x.shape[-1]
-    (n, k) = weight.shape
-    if m % _B or k % _B or n % _B:
-        raise ValueError(f"block_linear: tokens M = {m}, in_features K = {k}, out_features N = {n} must all be "
-                         f"multiples of {_B} (the FP8 scaling block); pad the batch or the features")
-    fmt = recipe.fp8_format
-    return BlockLinearFunction.apply(x, weight, bias, fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd),
-                                     recipe.power_2_scale, use_kernel, use_hw)
+    check_block_dims([(weight.shape[1], weight.shape[0])], "block_linear")
+    quantizers = LinearQuantizers(*block_quantizers_for(recipe, 3, use_kernel))
+    return BlockLinearFunction.apply(x, weight, bias, quantizers, None, False, use_hw)

@@ -4,7 +4,9 @@ Both return ``(output, output_bias)`` as Megatron does: ``output_bias`` is the b
 (then not added), else None. Inside :func:`fp8engine.autocast` their GEMMs run in FP8 with a per-module
 :class:`~fp8engine.fp8.state.ScalingState` (rows ``input, weight, grad_output``), registered with the region like
 every FP8 module's, so ``autocast(amax_group=dp_group)`` reduces their amaxes across data-parallel ranks in the
-region's single collective.
+region's single collective. Under ``Float8BlockScaling`` the GEMMs are block-scaled
+(:func:`fp8engine.parallel.block_linear_ops.tp_block_linear`, scales just in time, nothing recorded); the per-rank
+shard dims must then be multiples of 128.
 
 Initialisation: the full ``[N, K]`` weight (and ``[N]`` bias) is drawn exactly as ``fp8engine.Linear(K, N)`` would
 draw it from the current RNG state, then this rank keeps its slice, so the shards of a layer equal the slices of
@@ -21,7 +23,9 @@ from torch import nn
 from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.fp8.quantizer import LinearQuantizers, get_quantizers
 from fp8engine.fp8.state import ScalingState
+from fp8engine.ops.block_linear import check_block_dims
 from fp8engine.ops.gemm import check_gemm_dims
+from fp8engine.parallel.block_linear_ops import tp_block_linear
 from fp8engine.ops.linear import LINEAR_ROLES
 from fp8engine.parallel.linear_ops import TPLinearConfig, tp_linear
 from fp8engine.parallel.mappings import (gather_from_tensor_model_parallel_region,
@@ -50,6 +54,7 @@ class _TPLinearBase(nn.Module):
         self.fp8_state = ScalingState(LINEAR_ROLES, device=device)
         self._gemm_dims = (in_local, out_local)
         self._fp8_dims_checked = False
+        self._block_dims_checked = False
 
     def _fp8_begin(self) -> Optional[LinearQuantizers]:
         ctx = get_fp8_context()
@@ -60,7 +65,17 @@ class _TPLinearBase(nn.Module):
         elif not self._fp8_dims_checked:
             check_gemm_dims(*self._gemm_dims, what=f"{type(self).__name__} (per-rank shard)")
             self._fp8_dims_checked = True
-        return get_quantizers(self.fp8_state, ctx)[0]
+        quantizers = get_quantizers(self.fp8_state, ctx)[0]
+        if quantizers.input.is_block and not self._block_dims_checked:
+            check_block_dims([self._gemm_dims], f"{type(self).__name__} (per-rank shard)")
+            self._block_dims_checked = True
+        return quantizers
+
+    def _tp_linear(self, x, bias, quantizers):
+        """The layer's op: block-scaled under ``Float8BlockScaling``, else :func:`tp_linear`."""
+        if quantizers is not None and quantizers.input.is_block:
+            return tp_block_linear(x, self.weight, bias, self._cfg, quantizers)
+        return tp_linear(x, self.weight, bias, self._cfg, quantizers=quantizers)
 
 
 class ColumnParallelLinear(_TPLinearBase):
@@ -114,7 +129,7 @@ class ColumnParallelLinear(_TPLinearBase):
         """Returns ``(output, output_bias)``; see the class docstring for shapes."""
         quantizers = self._fp8_begin()
         bias = None if self.skip_bias_add else self.bias
-        out = tp_linear(input_, self.weight, bias, self._cfg, quantizers=quantizers)
+        out = self._tp_linear(input_, bias, quantizers)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
@@ -172,7 +187,7 @@ class RowParallelLinear(_TPLinearBase):
         """Returns ``(output, output_bias)``; see the class docstring for shapes."""
         quantizers = self._fp8_begin()
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        partial = tp_linear(x, self.weight, None, self._cfg, quantizers=quantizers)
+        partial = self._tp_linear(x, None, quantizers)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

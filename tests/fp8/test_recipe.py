@@ -1,6 +1,6 @@
 import pytest
 
-from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Format, check_per_tensor_recipe
+from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Format
 
 
 def test_defaults_match_transformer_engine():
@@ -68,16 +68,10 @@ def test_block_scaling_invalid_fields(kwargs, match):
         Float8BlockScaling(**kwargs)
 
 
-def test_check_per_tensor_recipe():
-    check_per_tensor_recipe(DelayedScaling(), "x")
-    check_per_tensor_recipe(CurrentScaling(), "x")
-    with pytest.raises(NotImplementedError, match="block_linear"):
-        check_per_tensor_recipe(Float8BlockScaling(), "Linear")
-
-
-def test_autocast_accepts_block_scaling_and_modules_refuse_it():
-    """fp8_autocast takes the recipe; the per-tensor modules and parallel layers refuse it at their first FP8
-    forward with an error naming the block op, never silently scaling per tensor."""
+def test_autocast_accepts_block_scaling_and_the_modules_run_it():
+    """fp8_autocast takes the recipe and every FP8 module and parallel layer runs its GEMMs block-scaled (their
+    numerics: tests/modules/test_block_modules.py, tests/parallel/test_block_parallel.py); a layer whose dims are
+    multiples of 16 but not of 128 is refused at its first forward with an error naming the dim."""
     import torch
 
     import fp8engine
@@ -85,13 +79,16 @@ def test_autocast_accepts_block_scaling_and_modules_refuse_it():
     from fp8engine.parallel.layers import ColumnParallelLinear
 
     recipe = Float8BlockScaling()
-    x = torch.randn(4, 2, 32)  # [s, b, h]
-    layers = [fp8engine.Linear(32, 32), fp8engine.LayerNormMLP(32, 64),
-              fp8engine.TransformerLayer(32, 64, 2, hidden_dropout=0.0, attention_dropout=0.0),
-              ColumnParallelLinear(32, 32, tp_group=None)]
+    x = torch.randn(4, 2, 128)  # [s, b, h]
+    layers = [fp8engine.Linear(128, 128), fp8engine.LayerNormMLP(128, 256),
+              fp8engine.TransformerLayer(128, 256, 2, hidden_dropout=0.0, attention_dropout=0.0),
+              ColumnParallelLinear(128, 128, tp_group=None)]
     with fp8engine.fp8_autocast(enabled=True, fp8_recipe=recipe):
         assert get_fp8_recipe() is recipe
         for layer in layers:
-            with pytest.raises(NotImplementedError, match="Float8BlockScaling.*block_linear"):
-                layer(x)
-    assert torch.isfinite(layers[0](x)).all()  # outside the region: plain high precision
+            y = layer(x)
+            y = y[0] if isinstance(y, tuple) else y
+            assert y.shape[:2] == (4, 2) and torch.isfinite(y).all()
+        for layer in (fp8engine.Linear(128, 48), ColumnParallelLinear(48, 128, tp_group=None)):
+            with pytest.raises(ValueError, match="=48 .*not a multiple of 128.*Float8BlockScaling"):
+                layer(x[..., :layer.weight.shape[1]])

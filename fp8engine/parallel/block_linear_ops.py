@@ -1,0 +1,171 @@
+"""The tensor-parallel linear op under ``Float8BlockScaling``: :func:`fp8engine.parallel.linear_ops.tp_linear`'s
+communication around :mod:`fp8engine.ops.block_linear`'s three block-scaled GEMMs.
+
+Per rank (tp = tensor-parallel size), as ``tp_linear``:
+
+- column parallel, ``weight [N/tp, K]``: ``x`` is ``[s, b, K]`` (replicated) or, with sequence parallelism,
+  ``[s/tp, b, K]``, all-gathered along dim 0 first. fprop ``y [s, b, N/tp] = x_total @ w.T (+ bias)``; dgrad
+  ``dx = dy @ w`` is a partial sum, all-reduced (or reduce-scattered to ``[s/tp, b, K]``) asynchronously while the
+  wgrad GEMM ``dw = dy.T @ x_total`` runs (Megatron's overlap).
+- row parallel, ``weight [N, K/tp]``: a local linear; the module reduces the partial outputs.
+
+Sharding and block scales: ``N/tp`` (column) and ``K/tp`` (row) must be multiples of 128, so a shard boundary is a
+block boundary and every rank's 1 x 128 tiles and 128 x 128 blocks are exactly the unsharded layer's: the sharded
+GEMMs see the same FP8 operands as the unsharded ones; only the summation of partial results differs.
+
+FP8 all-gather with block scales (``fp8_all_gather``, sequence parallel), the scales travel with the data:
+  * fprop operand: each rank casts its shard ``[m, K]`` (``m = s/tp * b`` tokens) to 1 x 128 tiles along K, one
+    scale per row per 128 columns; rows are independent, so gathering the FP8 rows and their scale rows gives
+    exactly the cast of the gathered tensor (bit for bit, half of bf16's bytes plus 1/32 for the scales);
+  * wgrad operand ``x_total^T`` re-tiled along the token dim: each rank's transposed shard ``[K, m]`` has tiles of
+    128 tokens; with ``m`` a multiple of 128 no tile straddles two ranks, so gathering the shards' columns (and
+    their scale columns) gives exactly the re-tiled cast of ``x_total^T``. Backward gathers it asynchronously
+    behind the dgrad GEMM, as the per-tensor path re-gathers its FP8 shard.
+  Where ``m`` is not a multiple of 128 the op gathers in high precision and casts the total (same result, bf16's
+  bytes). Token counts that are not multiples of 128 are zero-padded as in ``ops/block_linear.py``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fp8engine.fp8.block_tensor import Float8BlockTensor
+from fp8engine.fp8.quantizer import LinearQuantizers
+from fp8engine.ops.block_gemm import block_gemm
+from fp8engine.ops.block_linear import BLOCK_DTYPES
+from fp8engine.ops.linear import main_grad_of
+from fp8engine.parallel.fp8_comm import all_gather_dim0
+from fp8engine.parallel.linear_ops import TPLinearConfig
+from fp8engine.parallel.utils import get_group_size, reduce_scatter_into
+from fp8engine.recipe import Float8BlockScaling
+
+__all__ = ["tp_block_linear", "all_gather_block_rows", "all_gather_block_cols"]
+
+_B = Float8BlockScaling.BLOCK_SIZE
+
+
+def all_gather_block_rows(local: Float8BlockTensor, group) -> Float8BlockTensor:
+    """All-gather a 1 x 128-tiled ``[m, K]`` shard along its rows: ``[size * m, K]`` in rank order, ``scale_inv``
+    ``[size * m, K/128]`` in the M-major layout (strides ``(1, size * m)``). Two collectives (FP8 bytes, fp32
+    scales); the result is exactly the cast of the gathered high-precision tensor (module docstring)."""
+    data, _ = all_gather_dim0(local.data.view(torch.uint8), group)
+    scales, _ = all_gather_dim0(local.scale_inv.contiguous(), group)  # [m, K/128] row-major shards, stacked
+    return Float8BlockTensor(data.view(local.data.dtype), scales.t().contiguous().t(), local.block, local.dtype)
+
+
+def all_gather_block_cols(local_t: Float8BlockTensor, group, async_op: bool = False):
+    """Gather a 1 x 128-tiled ``[K, m]`` transposed shard (tiles along its m tokens, ``m`` a multiple of 128) along
+    its columns. Returns ``finish``: ``finish()`` waits for the collectives (started asynchronously with
+    ``async_op``) and returns the ``[K, size * m]`` tensor with ``scale_inv`` ``[K, size * m / 128]`` (strides
+    ``(1, K)``), exactly the re-tiled cast of the gathered tensor's transpose."""
+    size = get_group_size(group)
+    k, m = local_t.data.shape
+    # data: [size * K, m] gathered, then [K, size * m] (one copy); scales: the [m/128, K] storage of the shard's
+    # (1, K)-strided [K, m/128] scale_inv stacks along dim 0 into the total's [size * m/128, K] storage directly
+    raw, w1 = all_gather_dim0(local_t.data.view(torch.uint8), group, async_op=async_op)
+    scales, w2 = all_gather_dim0(local_t.scale_inv.t(), group, async_op=async_op)
+
+    def finish() -> Float8BlockTensor:
+        for work in (w1, w2):
+            if work is not None:
+                work.wait()
+        data = raw.view(size, k, m).permute(1, 0, 2).reshape(k, size * m).view(local_t.data.dtype)
+        return Float8BlockTensor(data, scales.t(), local_t.block, local_t.dtype)
+
+    return finish
+
+
+class _TPBlockLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, quantizers: LinearQuantizers, cfg: TPLinearConfig):
+        group = cfg.tp_group
+        tp = get_group_size(group)
+        gather = cfg.gather_input and tp > 1
+        x2d = x.reshape(-1, x.shape[-1])
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or cfg.fuse_wgrad
+        ctx.x_t_local = ctx.x_t = None
+        if gather and cfg.fp8_all_gather and x2d.shape[0] % _B == 0:
+            qx_local, ctx.x_t_local = quantizers.input.quantize(x2d, transpose=need_dw)
+            qx, pad = all_gather_block_rows(qx_local, group), 0
+        else:
+            x_total = all_gather_dim0(x2d, group)[0] if gather else x2d
+            pad = -x_total.shape[0] % _B
+            qx, ctx.x_t = quantizers.input.quantize(F.pad(x_total, (0, 0, 0, pad)) if pad else x_total,
+                                                    transpose=need_dw)
+        qw, qw_t = quantizers.weight.quantize(weight, transpose=need_dx)
+        y = block_gemm(qx, qw, x.dtype)  # fprop
+        if pad:
+            y = y[:y.shape[0] - pad]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(weight)
+        ctx.w_t, ctx.quantizers, ctx.cfg, ctx.pad = qw_t, quantizers, cfg, pad
+        ctx.x_local_shape, ctx.x_dtype = x.shape, x.dtype
+        rows_total = y.shape[0]
+        return y.reshape(*((rows_total // x2d.shape[0] * x.shape[0],) + tuple(x.shape[1:-1])), y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        (weight,) = ctx.saved_tensors
+        cfg, group, pad = ctx.cfg, ctx.cfg.tp_group, ctx.pad
+        need_dx, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        need_dw = ctx.x_t is not None or ctx.x_t_local is not None
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        if dy2d.dtype not in BLOCK_DTYPES:
+            dy2d = dy2d.float()
+        finish = None
+        if need_dw and ctx.x_t_local is not None:  # re-gather x^T's FP8 shards behind the dgrad GEMM
+            finish = all_gather_block_cols(ctx.x_t_local, group, async_op=True)
+        qdy, qdy_t = (None, None)
+        if need_dx or need_dw:
+            qdy, qdy_t = ctx.quantizers.grad_output.quantize(F.pad(dy2d, (0, 0, 0, pad)) if pad else dy2d,
+                                                             transpose=need_dw)
+        dx = dgrad_work = None
+        if need_dx:  # dgrad: dx = dy @ w (a partial sum over tp ranks for column parallel)
+            dx_total = block_gemm(qdy, ctx.w_t, ctx.x_dtype)
+            if pad:
+                dx_total = dx_total[:dx_total.shape[0] - pad].contiguous()
+            dx = dx_total
+            if cfg.dgrad_comm is not None and get_group_size(group) > 1:
+                if cfg.dgrad_comm == "all_reduce":
+                    dgrad_work = dist.all_reduce(dx_total, group=group, async_op=True)
+                else:
+                    dx = dx_total.new_empty((dx_total.shape[0] // get_group_size(group), dx_total.shape[1]))
+                    dgrad_work = reduce_scatter_into(dx, dx_total, group, async_op=True)
+        dw = None
+        if need_dw:  # wgrad: dw = dy.T @ x_total, overlapped with the dgrad communication
+            x_t = ctx.x_t if finish is None else finish()
+            if cfg.fuse_wgrad:
+                main_grad_of(weight).add_(block_gemm(qdy_t, x_t, torch.float32))
+            else:
+                dw = block_gemm(qdy_t, x_t, weight.dtype)
+        db = dy2d.sum(0, dtype=torch.float32).to(weight.dtype) if need_db else None
+        if dgrad_work is not None:
+            dgrad_work.wait()
+        if dx is not None:
+            dx = dx.reshape(ctx.x_local_shape)
+        ctx.x_t = ctx.x_t_local = ctx.w_t = None
+        return dx, dw, db, None, None
+
+
+def tp_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: TPLinearConfig,
+                    quantizers: LinearQuantizers) -> torch.Tensor:
+    """:func:`fp8engine.parallel.linear_ops.tp_linear` with block-scaled FP8 GEMMs (module docstring).
+
+    Args:
+        x: ``[s_local, *, K]`` bf16 / fp32 (``s_local = s/tp`` when ``cfg.gather_input``).
+        weight: this rank's ``[N_local, K]`` shard, bf16 / fp32; ``N_local`` and ``K`` multiples of 128 (the layer
+            checks them at its first forward). bias: ``[N_local]`` or None.
+        cfg: a :class:`TPLinearConfig`. quantizers: the layer's :class:`LinearQuantizers` of ``BlockQuantizer``.
+    Returns:
+        ``[s, *, N_local]`` in x's dtype (``s = tp * s_local`` when gathering).
+    Raises:
+        TypeError: x or weight neither bf16 nor fp32.
+    """
+    if x.dtype not in BLOCK_DTYPES or weight.dtype not in BLOCK_DTYPES:
+        raise TypeError(f"Float8BlockScaling: x is {x.dtype} and the weight {weight.dtype}; the block-scaled GEMMs "
+                        "take bfloat16 or float32")
+    return _TPBlockLinear.apply(x, weight, bias, quantizers, cfg)

@@ -1,0 +1,61 @@
+"""BlockQuantizer and the block kind of get_quantizers: roles -> blocks and formats, caching, the casts are
+exactly quantize_block's, nothing recorded or registered."""
+import pytest
+import torch
+
+from fp8engine.fp8.autocast import FP8Context
+from fp8engine.fp8.block_quantizer import BlockQuantizer
+from fp8engine.fp8.block_tensor import BLOCK_128x128, TILE_1x128, quantize_block
+from fp8engine.fp8.quantizer import LinearQuantizers, get_quantizers, recipe_kind
+from fp8engine.fp8.state import ScalingState
+from fp8engine.ops.linear import LINEAR_ROLES
+from fp8engine.ops.mlp import MLP_ROLES
+from fp8engine.recipe import Float8BlockScaling, Format
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.mark.parametrize("fmt,grad_dtype", [(Format.E4M3, E4M3), (Format.HYBRID, E5M2)])
+def test_roles_blocks_and_formats(fmt, grad_dtype):
+    recipe = Float8BlockScaling(fmt, power_2_scale=False)
+    assert recipe_kind(recipe) == "block"
+    qs = get_quantizers(ScalingState(MLP_ROLES), FP8Context(recipe))
+    assert len(qs) == 2 and all(isinstance(q, LinearQuantizers) for q in qs)
+    for gemm in qs:
+        assert all(isinstance(q, BlockQuantizer) and q.is_block and q.kind == "block" for q in gemm)
+        assert (gemm.input.block, gemm.weight.block, gemm.grad_output.block) == (TILE_1x128, BLOCK_128x128,
+                                                                                   TILE_1x128)
+        assert (gemm.input.fp8_dtype, gemm.weight.fp8_dtype, gemm.grad_output.fp8_dtype) == (E4M3, E4M3, grad_dtype)
+        assert not any(q.power_2_scale for q in gemm)
+        # what per-tensor code reads off a quantizer: no delayed scale, nothing recorded
+        assert all(q.delayed is False and q.scale is None and q.amax is None and not q.record_amax for q in gemm)
+
+
+def test_cached_per_state_and_recipe_and_not_registered():
+    st = ScalingState(LINEAR_ROLES)
+    recipe = Float8BlockScaling()
+    ctx = FP8Context(recipe)
+    first = get_quantizers(st, ctx)
+    assert get_quantizers(st, ctx) is first  # the same tuple: no per-call building
+    assert get_quantizers(st, FP8Context(Float8BlockScaling())) is first  # an equal recipe: the same set
+    assert get_quantizers(st, FP8Context(Float8BlockScaling(Format.HYBRID))) is not first
+    assert ctx.states == {}  # just in time: nothing to update at the region's exit
+    assert st.amax_history.shape[1] == 1024  # no resize to a history length
+
+
+@pytest.mark.parametrize("block", [TILE_1x128, BLOCK_128x128])
+def test_quantize_is_quantize_block(block):
+    x = torch.randn(256, 384, dtype=torch.bfloat16) * torch.logspace(-3, 3, 384)
+    q = BlockQuantizer(E4M3, block)
+    got, got_t = q.quantize(x, transpose=True)
+    want, want_t = quantize_block(x, E4M3, block, transpose=True)
+    for a, b in ((got, want), (got_t, want_t)):
+        assert a.block == b.block and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        assert torch.equal(a.scale_inv, b.scale_inv)
+    only, none = q.quantize(x)
+    assert none is None and torch.equal(only.data.view(torch.uint8), want.data.view(torch.uint8))
+
+
+def test_bad_block():
+    with pytest.raises(ValueError, match="block must be"):
+        BlockQuantizer(E4M3, (128, 1))
