@@ -87,7 +87,8 @@ def test_transformer_layer_vs_float64(recipe):
     x = torch.randn(128, 2, 256)  # [s, b, h]
     dy = torch.randn(128, 2, 256)
     ry, rdx, rg = _run(layer, x, dy, None)
-    y, dx, g = _run(layer, x, dy, recipe, torch.bfloat16)
+    # float32 activations: torch 2.11's CPU bf16 SDPA needs AVX-512 kernels, which fp8engine._cpu turns off (AVX2)
+    y, dx, g = _run(layer, x, dy, recipe, torch.float32)
     assert sqnr(ry, y) >= 32 and sqnr(rdx, dx) >= 32
     t_grad = THRESHOLDS[recipe.fp8_format][1]
     for name, ref in rg.items():
