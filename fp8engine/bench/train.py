@@ -205,45 +205,47 @@ def main(argv=None) -> int:
     print(env_info(), flush=True)
     if args.guard_cost:
         return _main_guard_cost(models, modes, args)
-    rows, failed = [], False
-    for model_name in models:
-        base = None
-        for mode in modes:
-            try:
-                row = _run_mode(model_name, mode, args)
-            except Exception as err:  # one failing mode must not hide the others' rows; the status says it failed
-                print(f"  {model_name} {mode}: FAILED: {type(err).__name__}: {err}", flush=True)
-                rows.append({"model": model_name, "mode": mode, "error": f"{type(err).__name__}: {err}"[:200]})
-                failed = True
-                gc.collect()
-                torch.cuda.empty_cache() if torch.cuda.is_available() else None
-                continue
-            if mode == "bf16":
-                base = row["tokens_per_s"]
-            row["vs_bf16"] = row["tokens_per_s"] / base if base else float("nan")
-            rows.append(row)
-            print(f"  {model_name} {mode}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s", flush=True)
+    base = {}
+
+    def report(row: dict) -> None:
+        if row["mode"] == "bf16":
+            base[row["model"]] = row["tokens_per_s"]
+        row["vs_bf16"] = row["tokens_per_s"] / base[row["model"]] if row["model"] in base else float("nan")
+        print(f"  {row['model']} {row['mode']}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s",
+              flush=True)
+
+    rows, failed = _rows(models, modes, _run_mode, report, args)
     print_table(rows, ["model", "mode", "batch", "step_ms", "tokens_per_s", "vs_bf16", "model_tflops", "mfu",
                        "peak_mem_gib", "graphed", "guard", "loss_first", "loss_last", "error"])
     write_json(args.json, "train", rows)
     return 1 if failed else 0
 
 
-def _main_guard_cost(models: list[str], modes: list[str], args: argparse.Namespace) -> int:
+def _rows(models: list[str], modes: list[str], run_one, report, args: argparse.Namespace) -> tuple[list, bool]:
+    """``run_one(model, mode, args) -> row`` for every model and mode, ``report(row)`` after each; a mode that raises
+    gets an ``error`` row instead (one failing mode must not hide the others' rows). Returns ``(rows, failed)``."""
     rows, failed = [], False
     for model_name in models:
         for mode in modes:
             try:
-                row = _guard_cost(model_name, mode, args)
-            except Exception as err:  # one failing mode must not hide the others' rows; the status says it failed
+                row = run_one(model_name, mode, args)
+            except Exception as err:  # the status says it failed
                 print(f"  {model_name} {mode}: FAILED: {type(err).__name__}: {err}", flush=True)
                 rows.append({"model": model_name, "mode": mode, "error": f"{type(err).__name__}: {err}"[:200]})
                 failed = True
                 _release()
                 continue
+            report(row)
             rows.append(row)
-            print(f"  {model_name} {mode}: {row['guard_ms']:.2f} ms/step with the guard, {row['no_guard_ms']:.2f} "
-                  f"without ({row['guard_cost_pct']:+.2f} %)", flush=True)
+    return rows, failed
+
+
+def _main_guard_cost(models: list[str], modes: list[str], args: argparse.Namespace) -> int:
+    def report(row: dict) -> None:
+        print(f"  {row['model']} {row['mode']}: {row['guard_ms']:.2f} ms/step with the guard, {row['no_guard_ms']:.2f} "
+              f"without ({row['guard_cost_pct']:+.2f} %)", flush=True)
+
+    rows, failed = _rows(models, modes, _guard_cost, report, args)
     print_table(rows, ["model", "mode", "batch", "guard_ms", "no_guard_ms", "guard_cost_pct", "steps_each", "error"])
     write_json(args.json, "train-guard-cost", rows)
     return 1 if failed else 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from fp8engine.fp8.block_tensor import Float8BlockTensor
@@ -38,8 +37,8 @@ from fp8engine.ops.block_gemm import block_gemm
 from fp8engine.ops.block_linear import BLOCK_DTYPES
 from fp8engine.ops.linear import main_grad_of
 from fp8engine.parallel.fp8_comm import all_gather_dim0
-from fp8engine.parallel.linear_ops import TPLinearConfig
-from fp8engine.parallel.utils import get_group_size, reduce_scatter_into
+from fp8engine.parallel.linear_ops import TPLinearConfig, start_dgrad_comm
+from fp8engine.parallel.utils import get_group_size
 from fp8engine.recipe import Float8BlockScaling
 
 __all__ = ["tp_block_linear", "all_gather_block_rows", "all_gather_block_cols"]
@@ -128,13 +127,7 @@ class _TPBlockLinear(torch.autograd.Function):
             dx_total = block_gemm(qdy, ctx.w_t, ctx.x_dtype)
             if pad:
                 dx_total = dx_total[:dx_total.shape[0] - pad].contiguous()
-            dx = dx_total
-            if cfg.dgrad_comm is not None and get_group_size(group) > 1:
-                if cfg.dgrad_comm == "all_reduce":
-                    dgrad_work = dist.all_reduce(dx_total, group=group, async_op=True)
-                else:
-                    dx = dx_total.new_empty((dx_total.shape[0] // get_group_size(group), dx_total.shape[1]))
-                    dgrad_work = reduce_scatter_into(dx, dx_total, group, async_op=True)
+            dx, dgrad_work = start_dgrad_comm(dx_total, cfg)
         dw = None
         if need_dw:  # wgrad: dw = dy.T @ x_total, overlapped with the dgrad communication
             x_t = ctx.x_t if finish is None else finish()

@@ -55,6 +55,21 @@ class TPLinearConfig:
             raise ValueError(f"dgrad_comm must be None, 'all_reduce' or 'reduce_scatter'; got {self.dgrad_comm!r}")
 
 
+def start_dgrad_comm(dx_total: torch.Tensor, cfg: "TPLinearConfig") -> tuple[torch.Tensor, Optional[object]]:
+    """Start the dgrad's tensor-parallel communication asynchronously, so the wgrad GEMM issued next overlaps it
+    (Megatron-core's async dgrad all-reduce / reduce-scatter): ``cfg.dgrad_comm`` ``"all_reduce"`` sums
+    ``dx_total [M, K]`` over ``cfg.tp_group`` in place, ``"reduce_scatter"`` sums and scatters it along dim 0 into a
+    new ``[M / tp, K]``; None (or one rank) communicates nothing. Returns ``(dx, work)``: ``dx`` is valid after
+    ``work.wait()`` (``work`` None when nothing was started)."""
+    group = cfg.tp_group
+    if cfg.dgrad_comm is None or get_group_size(group) == 1:
+        return dx_total, None
+    if cfg.dgrad_comm == "all_reduce":
+        return dx_total, dist.all_reduce(dx_total, group=group, async_op=True)
+    dx = dx_total.new_empty((dx_total.shape[0] // get_group_size(group), dx_total.shape[1]))
+    return dx, reduce_scatter_into(dx, dx_total, group, async_op=True)
+
+
 class _TPLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizers: Optional[LinearQuantizers], cfg: TPLinearConfig,
@@ -115,13 +130,7 @@ class _TPLinear(torch.autograd.Function):
                 dx_total = dy2d @ weight
             else:
                 dx_total = fp8_gemm(dy_fp8, ctx.w_fp8, dy.dtype, transpose_b=True)
-            dx = dx_total
-            if cfg.dgrad_comm is not None and get_group_size(group) > 1:
-                if cfg.dgrad_comm == "all_reduce":
-                    dgrad_work = dist.all_reduce(dx_total, group=group, async_op=True)
-                else:
-                    dx = dx_total.new_empty((dx_total.shape[0] // get_group_size(group), dx_total.shape[1]))
-                    dgrad_work = reduce_scatter_into(dx, dx_total, group, async_op=True)
+            dx, dgrad_work = start_dgrad_comm(dx_total, cfg)
 
         dw = None
         if need_dw:  # wgrad: dw = dy.T @ x_total, overlapped with the dgrad communication
