@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from fp8engine.models import GPT_CONFIGS
-from fp8engine.train import _check_fp8_dims, main
+from fp8engine.train import main
+from fp8engine.training.flags import check_fp8_dims
 from fp8engine.training import UsageError
 from fp8engine.training.data import stdlib_corpus
 from fp8engine.training.metrics import read_metrics
@@ -76,8 +77,8 @@ def test_tensor_parallel_dims_are_checked_per_rank():
     """tiny at --tp 2 has 64-wide shards: refused for block scaling (per-tensor FP8 runs it)."""
     args = argparse.Namespace(recipe="block", model="tiny")
     with pytest.raises(UsageError, match="at --tp 2: hidden_size=128 per rank \\(64 with tp=2\\)"):
-        _check_fp8_dims(args, GPT_CONFIGS["tiny"], 2)
-    _check_fp8_dims(argparse.Namespace(recipe="delayed", model="tiny"), GPT_CONFIGS["tiny"], 2)
+        check_fp8_dims(args, GPT_CONFIGS["tiny"], 2)
+    check_fp8_dims(argparse.Namespace(recipe="delayed", model="tiny"), GPT_CONFIGS["tiny"], 2)
 
 
 def test_compile_is_refused(tmp_path, capsys):

@@ -1,0 +1,208 @@
+"""The training command's flags: the parser, range and combination checks, per-model defaults, and the checks of
+the flags against the model, the device and this torch (each raising :class:`~fp8engine.training.UsageError`: one
+line, exit status 2, before anything is written). Used by :mod:`fp8engine.train`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import fp8engine
+from fp8engine._cli import CommandParser
+from fp8engine.models import GPT_CONFIGS, GPTConfig
+from fp8engine.training import UsageError
+from fp8engine.training.distributed import env_world_size
+
+#: The FP8 autocast module (its package re-exports the ``autocast`` function under the same name).
+_AUTOCAST = importlib.import_module("fp8engine.fp8.autocast")
+
+__all__ = ["build_parser", "check_flags", "check_out", "fill_defaults", "resolve_device", "check_block_run",
+           "check_fp8_dims", "check_precision", "MODEL_DEFAULTS", "RECIPES"]
+
+#: Per-model defaults for options left unset: (steps, batch size, learning rate).
+MODEL_DEFAULTS = {"tiny": (600, 16, 3e-3), "small": (5000, 64, 1e-3), "gpt2-124m": (20000, 16, 6e-4),
+                   "1b": (20000, 8, 3e-4)}
+#: ``--recipe`` -> the recipe class (built with its defaults; Float8BlockScaling: E4M3, power-of-two scales).
+RECIPES = {"delayed": fp8engine.DelayedScaling, "current": fp8engine.CurrentScaling,
+            "block": fp8engine.Float8BlockScaling}
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """The training command's parser (every flag, its help and default; ranges are checked by :func:`check_flags`)."""
+    p = CommandParser(prog="python -m fp8engine.train", description=description,
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # adds --version
+    p.add_argument("--data", help="text file (byte-level tokens) or directory with nanoGPT train.bin/val.bin "
+                                  "(uint16); default: this Python's standard-library .py sources")
+    p.add_argument("--model", default="tiny", choices=list(GPT_CONFIGS), help="named model size")
+    p.add_argument("--n-layer", type=int, help="override the model's layer count")
+    p.add_argument("--n-head", type=int, help="override the model's attention heads")
+    p.add_argument("--hidden-size", type=int, help="override the model's width")
+    p.add_argument("--ffn-hidden-size", type=int, help="override the model's MLP width")
+    p.add_argument("--precision", default="fp8", choices=("fp8", "bf16", "fp32"))
+    p.add_argument("--recipe", default="delayed", choices=tuple(RECIPES),
+                   help="FP8 scaling recipe: per-tensor delayed or current scaling, or block (Float8BlockScaling: "
+                        "1x128 / 128x128 block scales; model dims multiples of 128)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default per model: tiny 600)")
+    p.add_argument("--stop-at", type=int, help="end this run after this step, checkpointed, keeping the LR "
+                                               "schedule of --steps; continue with --resume")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default per model: tiny 16)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--lr", type=float, help="peak AdamW learning rate (default per model: tiny 3e-3)")
+    p.add_argument("--warmup-steps", type=int, help="linear warm-up steps before the cosine decay "
+                                                    "(default: --steps // 10, at most 100)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices")
+    p.add_argument("--dropout", type=float, help="dropout probability (default: the model's)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--eval-interval", type=int, help="evaluate every N steps (and at the end; default steps/4)")
+    p.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on CUDA, run every step eagerly instead of capturing the training step in a CUDA graph "
+                        "after two eager steps (the default for single-process CUDA runs)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun; the other "
+                                                     "processes form data-parallel replicas)")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp: norms/dropout on sequence shards")
+    p.add_argument("--out", help="directory for metrics.jsonl, checkpoint.pt and loss.png")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--sample-tokens", type=int, default=300, help="tokens to generate at the end (0: none)")
+    p.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+                   help="skip up to N optimizer steps in a row whose loss or gradient norm is NaN/inf (nothing "
+                        "is updated from them), then stop; 0: stop at the first one (exit status 3)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                   help="checkpoints kept in --out (newest first; --resume falls back to an older one when the "
+                        "newest is damaged); at least 2")
+    p.add_argument("--fp8-stats", type=int, default=0, metavar="N",
+                   help="every N steps record each FP8 tensor's amax, scale, underflow %% and saturation %% into "
+                        "metrics.jsonl and draw fp8_health.png (with CUDA graphs those steps run eagerly); 0: off")
+    p.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="multi-process runs: a collective waiting longer than this (another process died or "
+                        "hangs) ends the run with an error")
+    return p
+
+
+#: Integer flags that must be >= the bound when given (0 is a value, not "unset").
+_MIN_INT = {"steps": 1, "stop_at": 1, "batch_size": 1, "seq_len": 1, "n_layer": 1, "n_head": 1, "hidden_size": 1,
+            "ffn_hidden_size": 1, "grad_accum": 1, "eval_interval": 1, "eval_iters": 1, "tp": 1,
+            "warmup_steps": 0, "sample_tokens": 0, "skip_nonfinite": 0, "keep_checkpoints": 2, "seed": 0,
+            "fp8_stats": 0}
+#: Largest --seed: torch generators take 64-bit seeds, and tensor parallelism adds up to 2718 + tp rank to it.
+_MAX_SEED = 2**63 - 1
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` for a numeric flag out of range (run before any default is filled in)."""
+    for name, low in _MIN_INT.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}; got {value}")
+    if args.seed > _MAX_SEED:
+        raise UsageError(f"--seed must be between 0 and {_MAX_SEED}; got {args.seed}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a positive finite number; got {args.lr}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be a finite number >= 0; got {args.weight_decay}")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1); got {args.dropout}")
+    if not (math.isfinite(args.dist_timeout) and args.dist_timeout > 0):
+        raise UsageError(f"--dist-timeout must be a positive number of seconds; got {args.dist_timeout}")
+
+
+def check_out(out: Path) -> None:
+    """Raise :class:`UsageError` unless ``out`` is a writable directory or can be created (writes nothing)."""
+    if out.exists():
+        if not out.is_dir():
+            raise UsageError(f"--out {out} is a file; give a directory")
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise UsageError(f"--out {out} is not writable by this user; choose another directory")
+        return
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {out} cannot be created: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out} cannot be created: {parent} is not writable by this user")
+
+
+def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    check_flags(args)
+    steps, batch, lr = MODEL_DEFAULTS[args.model]
+    args.steps = steps if args.steps is None else args.steps
+    args.batch_size = batch if args.batch_size is None else args.batch_size
+    args.lr = lr if args.lr is None else args.lr
+    if args.warmup_steps is None:
+        args.warmup_steps = min(100, args.steps // 10)
+    if args.eval_interval is None:
+        args.eval_interval = max(1, args.steps // 4)
+    for name in ("steps", "batch_size", "grad_accum", "eval_interval", "eval_iters"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        raise UsageError(f"--stop-at must be between 1 and --steps ({args.steps}); got {args.stop_at}")
+    if args.lr <= 0 or args.warmup_steps < 0:
+        raise UsageError("--lr must be positive and --warmup-steps non-negative")
+    args.world_size = env_world_size()
+    if args.resume and not args.out:
+        raise UsageError("--resume needs --out DIR, the directory of the run to continue")
+    if args.fp8_stats and args.precision != "fp8":
+        raise UsageError(f"--fp8-stats counts FP8 casts; it needs --precision fp8 (got --precision {args.precision})")
+    if args.fp8_stats and args.recipe == "block":
+        raise UsageError("--fp8-stats counts per-tensor FP8 casts; block-scaled casts (--recipe block) are not "
+                         "counted: drop --fp8-stats or use --recipe delayed/current")
+    if args.fp8_stats and args.compile:
+        raise UsageError("--fp8-stats counts the casts of eager FP8 code; a torch.compile-d model is not counted: "
+                         "drop --compile or --fp8-stats")
+    # read at call time: a probe may force the flag on in fp8engine.fp8.autocast (one switch for the whole path)
+    if args.compile and args.precision == "fp8" and not _AUTOCAST.MIRROR_TRACEABLE:
+        raise UsageError(f"--compile with --precision fp8 needs torch >= 2.13 (the Dynamo of torch {torch.__version__} "
+                         "cannot trace the FP8 autocast context); drop --compile, or use --precision bf16 or fp32")
+    return args
+
+
+def resolve_device(requested: Optional[str]) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is visible to this torch "
+                         f"({torch.__version__}); use --device cpu")
+    if requested is None:
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(requested)
+
+
+def check_block_run(args: argparse.Namespace, config: GPTConfig) -> None:
+    """:class:`UsageError` for what ``--recipe block`` cannot run: per-rank dims not multiples of 128 at ``--tp``
+    (one rank was checked with the model), and ``--compile`` (Inductor fails on the block-scaled casts' reference
+    code, torch 2.13 CPU: an internal shape assertion; ``aot_eager`` traces them exactly)."""
+    if args.compile:
+        raise UsageError("--compile is not supported with --recipe block yet (Inductor cannot compile the "
+                         "block-scaled casts); drop --compile, or use --recipe delayed / current")
+    if args.tp > 1:  # check_layout checked multiples of 16
+        check_fp8_dims(args, config, args.tp)
+
+
+def check_fp8_dims(args: argparse.Namespace, config: GPTConfig, tp_size: int) -> None:
+    """:class:`UsageError` when the model's per-rank GEMM dims do not suit ``--recipe`` (multiples of 16; of 128
+    for ``block``)."""
+    block = args.recipe == "block"
+    problems = config.fp8_problems(tp_size, align=fp8engine.Float8BlockScaling.BLOCK_SIZE if block else 16)
+    if not problems:
+        return
+    if block:
+        raise UsageError(f"--recipe block cannot run --model {args.model}"
+                         f"{f' at --tp {tp_size}' if tp_size > 1 else ''}: {problems[0]}; use sizes (per rank) "
+                         "that are multiples of 128, or --recipe delayed / current")
+    raise UsageError(f"--model {args.model} cannot run in FP8: {problems[0]}; use sizes that are "
+                     "multiples of 16 or --precision bf16")
+
+
+def check_precision(args: argparse.Namespace, device: torch.device) -> None:
+    if args.precision == "fp8":
+        ok, reason = fp8engine.is_fp8_available(device)
+        if not ok:
+            raise UsageError(f"--precision fp8 cannot run on {device}: {reason} Use --precision bf16")
