@@ -6,18 +6,18 @@ rank's traceback. ``fn`` must be a module-level function of a test module (spawn
 """
 import datetime
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, fn, world_size, store, args):
+def _entry(rank, fn, world_size, port, args):
     torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -26,11 +26,13 @@ def _entry(rank, fn, world_size, store, args):
 
 
 def run_ranks(fn, world_size: int, *args) -> None:
-    # A file rendezvous, not a TCP port picked beforehand: with several pytest workers (pytest-xdist) a free port
-    # could be taken by another test's group between the pick and the bind (gloo then aborts a rank).
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_entry, args=(fn, world_size, os.path.join(tmp, "store"), args), nprocs=world_size,
-                           join=True, start_method="spawn")
+    # The rendezvous store is served by this (parent) process on a port the OS assigns while binding it: no port is
+    # picked first and bound later, which another test's group (pytest-xdist workers) could take in between.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    mp.start_processes(_entry, args=(fn, world_size, store.port, args), nprocs=world_size, join=True,
+                       start_method="spawn")
+    del store
 
 
 def world_group():
