@@ -39,7 +39,8 @@ cat "$OUT/env.txt"
 if want tests; then
   # pytest-xdist and pytest-timeout when installed: the suite spread over 8 workers, no test hangs the check.
   extra=()
-  python3 -c "import xdist" 2>/dev/null && extra+=(-n 8)
+  # ~10 min on one H100 with 8 workers (16 CPU cores there): give the phase a call of its own; PYTEST_WORKERS overrides
+  python3 -c "import xdist" 2>/dev/null && extra+=(-n "${PYTEST_WORKERS:-8}")
   python3 -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 300)
   phase tests python3 -m pytest -q --maxfail=15 -p no:cacheprovider --durations=25 "${extra[@]}" tests
 fi

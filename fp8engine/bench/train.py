@@ -103,6 +103,12 @@ def _timed_step(run, step_fn, optimizer, step: int) -> tuple[float, float]:
 
 
 def _release() -> None:
+    """Free what one mode left behind before the next: its compiled graphs (a later model must not run against a
+    Dynamo cache filled by an earlier one: gpt2-124m's bf16-compile failed with an AssertionError after the 1b modes
+    in one process, H100, torch 2.11, while the same compile alone trained) and its memory."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
