@@ -106,7 +106,7 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
 
     Kernels, delayed scaling: the activation kernel writes FP8 directly (the quantizer's scale, amax into its
     history slot); the transpose is then an FP8 byte copy, made by the first ``transpose_2d()`` call. Current scaling
-    needs the amax first: the activation kernel writes high precision, then ``compute_amax`` + cast-transpose.
+    needs the amax first: the activation kernel writes high precision, then the amax (torch inf-norm) + cast-transpose.
     Torch: :func:`act_fwd` then ``quantizer.quantize``.
     """
     if not use_kernels(h):
@@ -130,7 +130,7 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
     column sums when ``dbias``: ``(dh_fp8, dbias [D] in da.dtype or None)``.
 
     Kernels, delayed scaling: one ``*_bwd_cast_transpose`` pass (both FP8 layouts, fp32-accumulated dbias).
-    Current scaling: its high-precision variant (dh and dbias), then ``compute_amax`` + cast-transpose.
+    Current scaling: its high-precision variant (dh and dbias), then the amax (torch inf-norm) + cast-transpose.
     Torch: :func:`act_bwd` then ``quantizer.quantize_dbias``.
     """
     if not use_kernels(h):
