@@ -165,13 +165,25 @@ class _NormCast(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, (dx if ctx.has_residual else None)
 
 
+def _same_dtype(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple:
+    """``(x, residual)`` in ``torch.promote_types`` of their dtypes (the norm kernels add two tensors of one dtype;
+    ``.to`` carries the gradients back to each one's own dtype)."""
+    if residual is None or residual.dtype == x.dtype:
+        return x, residual
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return x.to(dtype), residual.to(dtype)
+
+
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
          zero_centered_gamma: bool = False, residual: Optional[torch.Tensor] = None, return_input: bool = False):
     """LayerNorm (``rms=False``) or RMSNorm of the last dim; ``x [..., N]`` -> ``[..., N]`` in ``x.dtype``.
     On CPU this is exactly ``F.layer_norm`` / ``F.rms_norm`` (same ATen kernels).
 
     ``residual`` (like x): normalise ``x + residual``. ``return_input``: return ``(y, s)`` with ``s`` the
-    normalised tensor (``x`` or ``x + residual``), whose gradient is added inside the norm's backward."""
+    normalised tensor (``x`` or ``x + residual``), whose gradient is added inside the norm's backward. A
+    ``residual`` of another dtype (an fp32 residual stream beside a bf16 branch under ``torch.autocast``) is
+    added as PyTorch's ``x + residual`` would: both in the promoted dtype, which ``y`` and ``s`` then have."""
+    x, residual = _same_dtype(x, residual)
     y, _, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None, False, True, residual)
     return (y, s) if return_input else y
 
@@ -184,7 +196,9 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     with ``return_input`` (``residual`` and ``s`` as in :func:`norm`).
 
     ``return_hp=False``: the caller only consumes ``y_fp8`` and uses ``y`` as the tensor its gradient flows
-    through (shape and dtype only); the fused kernel then skips the high-precision write (see :func:`norm_fwd`)."""
+    through (shape and dtype only); the fused kernel then skips the high-precision write (see :func:`norm_fwd`).
+    A ``residual`` of another dtype is promoted with ``x`` as in :func:`norm`."""
+    x, residual = _same_dtype(x, residual)
     y, y_fp8, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, quantizer, transpose,
                                   return_hp, residual)
     return (y, y_fp8, s) if return_input else (y, y_fp8)

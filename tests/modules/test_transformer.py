@@ -1,5 +1,6 @@
 """TransformerLayer: plain-PyTorch reference, FP8 SQNR, dropout, weight caching, wgrad fusion, and tensor/sequence
 parallelism on 2 gloo ranks against the unsharded layer built from the same seed."""
+import os
 import sys
 from pathlib import Path
 
@@ -202,3 +203,31 @@ def _tp_worker(rank, world_size):
 @pytest.mark.slow
 def test_tensor_parallel_matches_unsharded():
     run_ranks(_tp_worker, 2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_fp32_input_under_bf16_autocast(backend):
+    """The layer as a user of ``torch.autocast`` calls it: fp32 input (the residual stream) and bf16 branches. The
+    MLP's norm adds the bf16 attention output to the fp32 residual: promoted to fp32 as ``x + residual`` would be
+    (the norm kernels once refused the pair on CUDA). Output fp32, within FP8 + bf16 error of float64."""
+    from fp8engine.fp8.float8_tensor import kernels_forced
+    from fp8engine.kernels import kernels_available
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "kernels" and device == "cpu" and not (os.environ.get("TRITON_INTERPRET") == "1"
+                                                         and kernels_available("cpu")):
+        pytest.skip("the kernel backend on CPU needs Triton with TRITON_INTERPRET=1")
+    layer = _layer(num_gqa_groups=2).to(device)
+    x = torch.randn(32, 2, H, device=device, requires_grad=True)
+    with kernels_forced(backend == "kernels" and device == "cpu"):
+        with torch.autocast(device, dtype=torch.bfloat16), fp8engine.autocast():
+            y = layer(x)
+        assert y.dtype == torch.float32
+        g = torch.randn_like(y)
+        y.backward(g)
+    x_ref = x.detach().cpu().double().requires_grad_()
+    y_ref, _ = reference_layer(layer.cpu(), x_ref)
+    y_ref.backward(g.cpu().double())
+    # bf16 branches (8-bit mantissa) plus FP8 GEMMs: the 18 dB of test_fp8_sqnr; the residual path is fp32
+    assert sqnr(y_ref, y.cpu()) >= 18
+    assert sqnr(x_ref.grad, x.grad.cpu()) >= 18
