@@ -15,12 +15,13 @@ Formulas (fp32 math):
 Forward ``*_fwd(x, *, scale=None, fp8_dtype=None, amax_out=None, return_hp=False)`` returns
 ``(y_hp in x.dtype or None, y_fp8 or None, scale_inv or None)``; y_fp8 = saturate(y_fp32 * scale) (multiply by scale
 to enter the FP8 range), scale_inv a new [1] fp32 = 1/scale, amax_out gets atomic max of |y_fp32| (NaN -> +inf).
-Without scale, return_hp must be True.
+Without scale, return_hp must be True, and amax_out gets the max of |y| as written in x's dtype: current scaling
+takes its amax there instead of in a separate read of y (the cast then scales exactly the values it reads).
 
 Backward ``*_bwd_cast_transpose(dy, x, scale, fp8_dtype, amax_out=None)`` returns
 ``(dx, dx_t, scale_inv, dbias)``: with a scale, dx is FP8 (x's shape), dx_t its [NC, M] FP8 transpose (NC = N, or 2N
 for SwiGLU), scale_inv new [1] fp32, amax_out updated with max|dx_fp32|; with ``scale=None`` (high-precision variant)
-dx is in dy.dtype and dx_t, scale_inv are None. dbias [NC] = column sums of the fp32 dx, cast to dy.dtype
+dx is in dy.dtype and dx_t, scale_inv are None, and amax_out gets max|dx| as written in dy.dtype. dbias [NC] = column sums of the fp32 dx, cast to dy.dtype
 (deterministic two-stage reduction). dy and x must have the same dtype.
 """
 
@@ -121,7 +122,11 @@ def _act_fwd_flat_kernel(
     else:
         y = tl.where(x < 0.0, 0.0, x)
     if WRITE_HP:
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        yh = y.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs, yh, mask=mask)
+        if HAS_AMAX:
+            if not WRITE_FP8:  # the amax of the values written (what a cast of them scales by)
+                tl.atomic_max(amax_ptr, _abs_max_flat(yh.to(tl.float32), mask))
     if WRITE_FP8:
         scale = tl.load(scale_ptr)
         tl.store(y8_ptr + offs, _quantize(y, scale, FP8_MAX, IS_E4M3, CVT), mask=mask)
@@ -160,7 +165,11 @@ def _swiglu_fwd_kernel(
     u = tl.load(x_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     y = g * _sigmoid(g) * u
     if WRITE_HP:
-        tl.store(y_ptr + rows * N + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        yh = y.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows * N + offs_n[None, :], yh, mask=mask)
+        if HAS_AMAX:
+            if not WRITE_FP8:  # the amax of the values written (what a cast of them scales by)
+                tl.atomic_max(amax_ptr, _abs_max(yh.to(tl.float32), mask))
     if WRITE_FP8:
         scale = tl.load(scale_ptr)
         tl.store(y8_ptr + rows * N + offs_n[None, :], _quantize(y, scale, FP8_MAX, IS_E4M3, CVT), mask=mask)
@@ -215,7 +224,12 @@ def _act_bwd_kernel(
         tl.store(part + offs_n, tl.sum(dg, axis=0), mask=offs_n < N)
         tl.store(part + N + offs_n, tl.sum(du, axis=0), mask=offs_n < N)
         if HAS_AMAX:
-            tl.atomic_max(amax_ptr, tl.maximum(_abs_max(dg, mask), _abs_max(du, mask)))
+            if IS_FP8:
+                tl.atomic_max(amax_ptr, tl.maximum(_abs_max(dg, mask), _abs_max(du, mask)))
+            else:  # the amax of the values written in dx's dtype (what a cast of them scales by)
+                dg_w = dg.to(dx_ptr.dtype.element_ty).to(tl.float32)
+                du_w = du.to(dx_ptr.dtype.element_ty).to(tl.float32)
+                tl.atomic_max(amax_ptr, tl.maximum(_abs_max(dg_w, mask), _abs_max(du_w, mask)))
     else:
         part = dbias_part_ptr + pid_m.to(tl.int64) * N
         x = tl.load(x_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -228,7 +242,10 @@ def _act_bwd_kernel(
                     IS_FP8, IS_FP8)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dx, axis=0), mask=offs_n < N)
         if HAS_AMAX:
-            tl.atomic_max(amax_ptr, _abs_max(dx, mask))
+            if IS_FP8:
+                tl.atomic_max(amax_ptr, _abs_max(dx, mask))
+            else:  # the amax of the values written in dx's dtype (what a cast of them scales by)
+                tl.atomic_max(amax_ptr, _abs_max(dx.to(dx_ptr.dtype.element_ty).to(tl.float32), mask))
     if IS_FP8:
         if (pid_m == 0) & (pid_n == 0):
             _write_scale_inv(scale, scale_inv_ptr)
@@ -239,8 +256,6 @@ def _check_fp8_args(x, scale, fp8_dtype, amax_out, op, scale_required):
         raise ValueError(f"{op}: give both scale and fp8_dtype for an FP8 output, or neither")
     check_scalar_f32(scale, "scale", x.device, op)
     check_scalar_f32(amax_out, "amax_out", x.device, op)
-    if amax_out is not None and scale is None:
-        raise ValueError(f"{op}: amax_out is only updated together with the FP8 output; pass scale and fp8_dtype")
     return fp8_format(fp8_dtype, op) if scale is not None else (448.0, True)
 
 
@@ -372,6 +387,8 @@ def _act_fwd_reference(x, act, scale, fp8_dtype, amax_out, return_hp):
         y8 = quantize_reference(y, scale, fp8_dtype)
         scale_inv = scale_inv_reference(scale)
         atomic_max_reference(amax_out, amax_reference(y))
+    elif return_hp:
+        atomic_max_reference(amax_out, amax_reference(y.to(x.dtype)))
     return (y.to(x.dtype) if return_hp else None), y8, scale_inv
 
 
@@ -379,6 +396,7 @@ def _act_bwd_reference(dy, x, act, scale, fp8_dtype, amax_out):
     dx = _act_bwd_math(dy, x, act)
     dbias = as_2d(dx).sum(0).to(dy.dtype)
     if scale is None:
+        atomic_max_reference(amax_out, amax_reference(dx.to(dy.dtype)))
         return dx.to(dy.dtype), None, None, dbias
     dx8 = quantize_reference(dx, scale, fp8_dtype)
     dx8_t = as_2d(dx8.view(torch.uint8)).t().contiguous().view(fp8_dtype)

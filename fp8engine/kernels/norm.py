@@ -5,6 +5,8 @@ Forward: ``y = (x - mean) * rstd * gamma + beta`` (LayerNorm) or ``y = x * rstd 
 ``1 + weight`` with ``zero_centered_gamma``. All math in fp32. When ``scale`` and ``fp8_dtype`` are given the kernel
 also writes ``y_fp8 = saturate(y_fp32 * scale).to(fp8_dtype)`` (from the fp32 y, not the rounded y_hp), a new
 ``scale_inv = 1/scale`` and, if ``amax_out`` is given, ``atomic_max(amax_out, max|y_fp32|)`` (NaN counts as +inf).
+Without an FP8 output, ``amax_out`` gets ``max|y_hp|`` of the values written in x.dtype (current scaling takes its
+amax there, then casts those values: no separate read of y).
 
 Residual connection (optional, TransformerLayer's pre-norm blocks): forward with ``residual`` normalises
 ``x + residual`` (rounded to x.dtype as torch's add, written to ``residual_out``); backward with ``dresidual`` adds
@@ -141,7 +143,11 @@ def _norm_fwd_kernel(
     if HAS_BIAS:
         y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if WRITE_HP:
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        yh = y.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs, yh, mask=mask)
+        if HAS_AMAX:
+            if not WRITE_FP8:  # the amax of the values written (what a cast of them scales by)
+                tl.atomic_max(amax_ptr, _abs_max(yh.to(tl.float32), mask))
     if WRITE_FP8:
         scale = tl.load(scale_ptr)
         tl.store(y8_ptr + offs, _quantize(y, scale, FP8_MAX, IS_E4M3, CVT), mask=mask)
@@ -250,8 +256,6 @@ def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_
     fp8_max, is_e4m3 = fp8_format(fp8_dtype, op) if write_fp8 else (448.0, True)
     check_scalar_f32(scale, "scale", x.device, op)
     check_scalar_f32(amax_out, "amax_out", x.device, op)
-    if amax_out is not None and not write_fp8:
-        raise ValueError(f"{op}: amax_out is only updated together with the FP8 output; pass scale and fp8_dtype")
 
     x2 = as_2d(x)
     m = x2.shape[0]
@@ -324,7 +328,8 @@ def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, scale=None
         x: [..., N] bf16/fp16/fp32 contiguous. weight, bias: [N] (bias may be None). eps: float.
         zero_centered_gamma: use ``1 + weight`` as gamma.
         scale, fp8_dtype: both or neither; with them also write the FP8 output (multiply by scale to enter FP8).
-        amax_out: optional [1] fp32, receives atomic max of |y| (fp32 y); needs scale/fp8_dtype.
+        amax_out: optional [1] fp32, receives atomic max of |y| (fp32 y), or of the written y_hp without
+            scale/fp8_dtype (then return_hp=True).
         return_hp: also return y in x.dtype.
         residual, residual_out: both or neither, like x (shape, dtype, contiguous): the residual connection fused
             in front of the norm. ``residual_out`` receives ``x + residual`` rounded to x.dtype (as torch's add)
@@ -391,6 +396,8 @@ def _norm_fwd_reference(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dt
         y8 = quantize_reference(y, scale, fp8_dtype)
         scale_inv = scale_inv_reference(scale)
         atomic_max_reference(amax_out, amax_reference(y))
+    elif y_hp is not None:
+        atomic_max_reference(amax_out, amax_reference(y_hp))
     return y_hp, y8, scale_inv, mean, rstd
 
 

@@ -106,7 +106,8 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
 
     Kernels, delayed scaling: the activation kernel writes FP8 directly (the quantizer's scale, amax into its
     history slot); the transpose is then an FP8 byte copy, made by the first ``transpose_2d()`` call. Current scaling
-    needs the amax first: the activation kernel writes high precision, then the amax (torch inf-norm) + cast-transpose.
+    needs the amax first: the activation kernel writes high precision and the amax of what it wrote, then the
+    cast-transpose (scale derived from that amax on the device).
     Torch: :func:`act_fwd` then ``quantizer.quantize``.
     """
     if not use_kernels(h):
@@ -115,8 +116,11 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
 
     fwd = getattr(ka, _KERNELS[kind][0])
     h = h.contiguous()
-    if not quantizer.delayed or quantizer.stats is not None:  # stats recording counts the written act(h)
+    if quantizer.stats is not None:  # stats recording counts the written act(h)
         return quantizer.quantize(fwd(h, return_hp=True)[0], transpose=transpose)
+    if not quantizer.delayed:  # the activation kernel takes the amax of what it writes: no separate read
+        amax = torch.zeros(1, dtype=torch.float32, device=h.device)
+        return quantizer.quantize(fwd(h, return_hp=True, amax_out=amax)[0], transpose=transpose, amax=amax)
     _, y8, scale_inv = fwd(h, scale=quantizer.scale, fp8_dtype=quantizer.fp8_dtype, amax_out=quantizer.amax)
     # the byte transpose (when ``transpose``) is left to the consumer's first ``transpose_2d()`` call, which comes
     # after its fprop GEMM was issued: the GEMM does not wait behind the transpose's launch on the host
@@ -130,7 +134,7 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
     column sums when ``dbias``: ``(dh_fp8, dbias [D] in da.dtype or None)``.
 
     Kernels, delayed scaling: one ``*_bwd_cast_transpose`` pass (both FP8 layouts, fp32-accumulated dbias).
-    Current scaling: its high-precision variant (dh and dbias), then the amax (torch inf-norm) + cast-transpose.
+    Current scaling: its high-precision variant (dh, dbias and the amax of the dh written), then the cast-transpose.
     Torch: :func:`act_bwd` then ``quantizer.quantize_dbias``.
     """
     if not use_kernels(h):
@@ -140,8 +144,10 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
     bwd = getattr(ka, _KERNELS[kind][1])
     da, h = da.contiguous(), h.contiguous()
     if not quantizer.delayed or quantizer.stats is not None:  # stats recording counts the written dh
-        dh, _, _, db = bwd(da, h, None, None)
-        return quantizer.quantize(dh, transpose=transpose), (db if dbias else None)
+        # current scaling: the kernel takes the amax of the dh it writes (no separate read of dh)
+        amax = None if quantizer.stats is not None else torch.zeros(1, dtype=torch.float32, device=h.device)
+        dh, _, _, db = bwd(da, h, None, None, amax)
+        return quantizer.quantize(dh, transpose=transpose, amax=amax), (db if dbias else None)
     dh8, dh8_t, scale_inv, db = bwd(da, h, quantizer.scale, quantizer.fp8_dtype, quantizer.amax)
     return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t), (db if dbias else None)
 

@@ -58,13 +58,15 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         res = {}
         if residual is not None:
             res = dict(residual=residual.contiguous(), residual_out=torch.empty_like(x))
-        # fused cast for delayed scaling; current scaling, and FP8 stats recording (fp8engine.fp8.stats: counts
-        # need y), write y and cast it separately
+        # fused cast for delayed scaling; current scaling (the kernel also takes the amax of the y it writes) and
+        # FP8 stats recording (fp8engine.fp8.stats: counts need y) write y and cast it separately
         delayed = quantizer is not None and quantizer.delayed and quantizer.stats is None
         return_hp = return_hp or not delayed  # the separate cast reads y
         scale = fp8_dtype = amax_out = None
         if delayed:
             scale, fp8_dtype, amax_out = quantizer.scale, quantizer.fp8_dtype, quantizer.amax
+        elif quantizer is not None and not quantizer.delayed and quantizer.stats is None:
+            amax_out = torch.zeros(1, dtype=torch.float32, device=x.device)
         if rms:
             y, y8, scale_inv, rstd = kn.rmsnorm_fwd(x, weight, eps, zero_centered_gamma=zero_centered_gamma,
                                                     scale=scale, fp8_dtype=fp8_dtype, amax_out=amax_out,
@@ -84,8 +86,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             # its transpose (``transpose``) is made by the consumer's first transpose_2d() call, after the consumer's
             # fprop GEMM was issued (at the start of a step the host launches the GEMM one launch earlier)
             y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype)
-        elif quantizer is not None:
-            y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose)
+        elif quantizer is not None:  # current scaling: the amax of the y the kernel wrote (no separate read)
+            y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose, amax=amax_out)
         return y, y_fp8, mean, rstd, x
     if residual is not None:
         x = x + residual

@@ -105,6 +105,25 @@ def test_bwd_cast_transpose(device, name, dtype, shape, fp8_dtype):
     torch.testing.assert_close(dbias.float(), rdbias.float(), rtol=dtype_rtol(dtype), atol=atol + 1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ACTS)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+def test_high_precision_amax_is_of_the_written_values(device, name, dtype):
+    """Without an FP8 output, ``amax_out`` gets ``max |y|`` (``max |dx|``) of the values as written in the output
+    dtype, exactly: current scaling casts those values with the scale derived from this amax (no separate read)."""
+    fwd, fwd_ref, bwd, bwd_ref = _fns(name)
+    x, dy = _inputs(name, (130, 96), dtype, device)
+    x = x * 7.0  # magnitudes where the rounding to bf16 / fp16 moves the amax
+    for f in (fwd, fwd_ref):
+        amax = torch.full((1,), 0.25, device=device)  # below the data's max: replaced
+        y = f(x, amax_out=amax, return_hp=True)[0]
+        assert amax.item() == y.float().abs().max().item(), f
+    for b in (bwd, bwd_ref):
+        amax = torch.zeros(1, device=device)
+        dx = b(dy, x, None, None, amax)[0]
+        assert amax.item() == dx.float().abs().max().item(), b
+
+
 @pytest.mark.parametrize("name", ACTS)
 def test_references_match_float64_autograd(name):
     fwd_ref, bwd_ref = _fns(name)[1], _fns(name)[3]

@@ -203,3 +203,18 @@ def test_residual_argument_errors(device):
         layernorm_fwd(x, w, None, EPS, residual=x.half(), residual_out=torch.empty_like(x))
     with pytest.raises(ValueError, match="dresidual must match x"):
         rmsnorm_bwd(x, x, torch.ones(4, device=device), w, dresidual=x[:2].contiguous())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+def test_high_precision_amax_is_of_the_written_values(device, rms, dtype):
+    """Without an FP8 output, ``amax_out`` gets ``max |y|`` of y as written in x.dtype, exactly (current scaling
+    casts those values with the scale derived from it; no separate read of y)."""
+    x = randn((70, 96), dtype, device) * 3.0
+    w, b = _params((70, 96), dtype, device, False)
+    for fwd in ((rmsnorm_fwd, rmsnorm_fwd_reference) if rms else (layernorm_fwd, layernorm_fwd_reference)):
+        amax = torch.full((1,), 0.25, device=device)
+        args = (x, w, EPS) if rms else (x, w, b, EPS)
+        y = fwd(*args, amax_out=amax, return_hp=True)[0]
+        assert amax.item() == y.float().abs().max().item(), fwd

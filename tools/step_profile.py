@@ -1,0 +1,92 @@
+"""Where does one training step of the command spend its time: GPU busy or waiting for the host? (CUDA; a
+measurement tool)
+
+Builds the step exactly as ``python -m fp8engine.bench train`` does (the training command's model, optimizer,
+precision and step object), runs ``--warmup`` steps, then profiles ``--steps`` steps with ``torch.profiler`` (CPU
+and CUDA activity) and prints per step:
+
+- ``wall ms``: the step's wall time (host issue + the final loss read, which waits for the GPU);
+- ``gpu busy ms``: the union of the GPU kernel and memcpy intervals (what the GPU did); ``wall - busy`` is GPU idle
+  time, i.e. time the GPU waited for the host to issue work;
+- launches (runtime + driver API) and host synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
+  ``cudaMemcpy*`` without Async, ``cudaEventSynchronize``) with their host time: a synchronisation inside the step
+  drains the queue and exposes every later launch's host cost;
+- the CPU operators with the most self time (host cost by operator).
+
+Usage: python tools/step_profile.py --model 1b --mode fp8-delayed [--warmup 4] [--steps 3] [--top 25]
+(modes as ``python -m fp8engine.bench train``: bf16, fp8-delayed, fp8-current, their -graph variants, ...)
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+
+from fp8engine.bench import train as BT  # noqa: E402
+
+_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+_SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
+
+
+def _union_ms(intervals) -> float:
+    total, end = 0.0, None
+    start_cur = None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            if end is not None:
+                total += end - start_cur
+            start_cur, end = s, e
+        else:
+            end = max(end, e)
+    if end is not None:
+        total += end - start_cur
+    return total / 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1b")
+    p.add_argument("--mode", default="fp8-delayed", choices=sorted(BT.MODES))
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("step_profile: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from fp8engine import train as T
+
+    ns = argparse.Namespace(batch_size=None, steps=args.warmup + args.steps, device="cuda", seq_len=None, data=None,
+                            no_guard=False)
+    run, model, step_model, optimizer = BT._setup(args.model, args.mode, ns)
+    step_fn = T.make_step(run, model, step_model, optimizer, guard=True)
+    for step in range(1, args.warmup + 1):
+        BT._timed_step(run, step_fn, optimizer, step)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    walls = []
+    with torch.profiler.profile(activities=acts) as prof:
+        for step in range(args.warmup + 1, args.warmup + args.steps + 1):
+            walls.append(BT._timed_step(run, step_fn, optimizer, step)[0] * 1e3)
+    events = prof.events()
+    gpu = [(e.time_range.start, e.time_range.end) for e in events
+           if e.device_type == torch.autograd.DeviceType.CUDA]
+    n = args.steps
+    launches = [e for e in events if e.name in _LAUNCH]
+    syncs = [e for e in events if e.name.startswith(_SYNC) and "Async" not in e.name]
+    print(f"{args.model} {args.mode}: wall {sum(walls) / n:.1f} ms/step (steps {', '.join(f'{w:.1f}' for w in walls)}), "
+          f"GPU busy {_union_ms(gpu) / n:.1f} ms/step, {len(launches) / n:.0f} launches/step, "
+          f"{len(syncs) / n:.1f} host syncs/step ({sum(e.cpu_time_total for e in syncs) / 1e3 / n:.1f} ms/step)")
+    by_name = {}
+    for e in syncs:
+        by_name[e.name] = by_name.get(e.name, 0) + 1
+    if by_name:
+        print("  syncs:", ", ".join(f"{k} x{v / n:g}" for k, v in sorted(by_name.items())))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
