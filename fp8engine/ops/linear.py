@@ -37,8 +37,8 @@ from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.comm import LinearComm
 from fp8engine.ops.gemm import fp8_gemm, fp8_mm, fp8_mm_accumulate
 
-__all__ = ["linear", "fp8_linear", "linear_input", "LINEAR_ROLES", "main_grad_of", "accumulate_wgrad",
-           "linear_main_grad", "dgrad_wgrad", "linear_backward"]
+__all__ = ["linear", "fp8_linear", "linear_input", "output_leading_dims", "LINEAR_ROLES", "main_grad_of",
+           "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")
@@ -88,7 +88,7 @@ def linear_main_grad(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return _HighPrecisionMainGrad.apply(x, weight, bias)
 
 
-def _output_rows(x: torch.Tensor, rows: int) -> tuple:
+def output_leading_dims(x: torch.Tensor, rows: int) -> tuple:
     """The leading dims of an output with ``rows`` rows for the input ``x [*, K]``: ``x``'s, with dim 0 scaled by
     the all-gather (``tp``) or the reduce-scatter (``1/tp``) that changed the row count."""
     local = math.prod(x.shape[:-1])
@@ -127,7 +127,7 @@ class _FP8Linear(torch.autograd.Function):
             y = comm.reduce_output(y)
             if bias is not None:
                 y = y + bias.to(y.dtype)
-        return y.reshape(*_output_rows(x, y.shape[0]), y.shape[-1])
+        return y.reshape(*output_leading_dims(x, y.shape[0]), y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
