@@ -64,28 +64,10 @@ def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
     main_grad_of(weight).add_(dw)
 
 
-class _HighPrecisionMainGrad(torch.autograd.Function):
-    """High-precision linear whose wgrad goes into ``weight.main_grad`` (``fuse_wgrad_accumulation``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy2d, x2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        accumulate_wgrad(weight, (dy2d.t() @ x2d).float())
-        db = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dy @ weight, None, db
-
-
 def linear_main_grad(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """High-precision ``F.linear`` whose weight gradient is added to ``weight.main_grad`` (``weight.grad`` stays
-    None): the path ``fuse_wgrad_accumulation`` takes outside FP8 regions."""
-    return _HighPrecisionMainGrad.apply(x, weight, bias)
+    None): the path ``fuse_wgrad_accumulation`` takes outside FP8 regions (:func:`linear` without quantizers)."""
+    return linear(x, weight, bias, None, fuse_wgrad=True)
 
 
 def output_leading_dims(x: torch.Tensor, rows: int) -> tuple:
