@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.layernorm_linear import (LayerNormLinear, check_choice, check_divisible, exit_row_parallel,
-                                                master_weight, no_init, shard, tp_size_rank)
+                                                master_weight, no_init, shard, tp_comm, tp_size_rank)
 from fp8engine.modules.linear import Linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS
 
@@ -115,17 +115,22 @@ def _unfused_row_order(cfg: AttentionConfig) -> torch.Tensor:
 
 class _RowParallelLinear(Linear):
     """``Linear`` with input features split over ``tp_group``: partial GEMM, then all-reduce (or reduce-scatter
-    along the sequence), then the bias."""
+    along the sequence), then the bias. Under per-tensor FP8 the reduction runs inside the linear op (its
+    :class:`~fp8engine.parallel.linear_ops.TPLinearComm`); otherwise through the region mappings."""
 
     def __init__(self, in_local: int, out_features: int, bias: bool, tp_group, sequence_parallel: bool, **kw):
         super().__init__(in_local, out_features, bias=False, **kw)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self._comm = tp_comm(tp_group, "row", sequence_parallel)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=self.weight.device))
             self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        y = self._linear(x, None, is_first_microbatch)
+        quantizers = self.fp8_begin()
+        if quantizers is not None and not quantizers[0].input.is_block:
+            return self._linear(x, self.bias, quantizers, is_first_microbatch, comm=self._comm)
+        y = self._linear(x, None, quantizers, is_first_microbatch)
         return exit_row_parallel(y, self.bias, self.tp_group, self.sequence_parallel)
 
 

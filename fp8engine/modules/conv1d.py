@@ -35,9 +35,9 @@ class Conv1DLinear(Linear):
         super().__init__(in_features, out_features, bias=bias, params_dtype=params_dtype, device=device)
         self.weight = torch.nn.Parameter(self.weight.detach().t().contiguous())  # [K, N]
 
-    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], is_first_microbatch: Optional[bool]):
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], quantizers, is_first_microbatch: Optional[bool],
+                comm=None):
         w = self.weight.t()  # [N, K] view
-        quantizers = self.fp8_begin()
         if quantizers is None:
             return F.linear(x, w, bias)
         x = autocast_input(x)
@@ -46,4 +46,4 @@ class Conv1DLinear(Linear):
         w_fp8 = self.fp8_weight("weight", w, q.weight, is_first_microbatch)
         if q.input.is_block:  # Float8BlockScaling
             return block_fp8_linear(x, w, bias, q, w_q=w_fp8)
-        return fp8_linear(x, w, bias, q, w_fp8=w_fp8, fuse_wgrad=False)
+        return fp8_linear(x, w, bias, q, w_fp8=w_fp8, fuse_wgrad=False, comm=comm)

@@ -5,6 +5,13 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019; sequence parallelism, Kort
 column-parallel GEMM splits its output features over the ``tp_group`` ranks, a row-parallel GEMM its input
 features (its bias is added after the reduction). ``fp8engine.parallel`` is imported only when a ``tp_group`` is
 given, so the single-process path never touches ``torch.distributed``.
+
+Under FP8 (per-tensor scaling) the communication runs inside the GEMM's op (:func:`fp8engine.ops.linear.linear`,
+the fused MLP and QKV ops) through a :class:`~fp8engine.parallel.linear_ops.TPLinearComm` built once per layer
+(:func:`tp_comm`): the sequence-parallel all-gather moves FP8 bytes, and the dgrad all-reduce / reduce-scatter
+overlaps the wgrad GEMM. In high precision and under ``Float8BlockScaling`` the gathers and reductions are the
+region mappings of :mod:`fp8engine.parallel.mappings` around the GEMMs (:func:`enter_column_parallel`,
+:func:`exit_row_parallel`).
 """
 from __future__ import annotations
 
@@ -48,6 +55,16 @@ def check_divisible(what: str, value: int, tp_size: int, owner: str) -> int:
 def check_choice(what: str, value, choices: Sequence, owner: str) -> None:
     if value not in choices:
         raise ValueError(f"{owner}: unknown {what}={value!r}; use one of {tuple(choices)}")
+
+
+def tp_comm(tp_group, parallel_mode: str, sequence_parallel: bool):
+    """The :class:`~fp8engine.parallel.linear_ops.TPLinearComm` of a ``"column"`` / ``"row"`` parallel GEMM over
+    ``tp_group`` (None: no communication, None returned)."""
+    if tp_group is None:
+        return None
+    from fp8engine.parallel.linear_ops import TPLinearComm
+
+    return TPLinearComm(tp_group, parallel_mode, sequence_parallel)
 
 
 def enter_column_parallel(x: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
@@ -156,7 +173,8 @@ class LayerNormLinear(FP8Module):
             GEMM weight (``weight.grad`` stays None); norm parameters and biases keep ``.grad``.
         tp_group, parallel_mode: ``"column"`` with a group splits ``N`` over its ranks (local weight
             ``[N/tp, K]``); the input is all-gathered along the sequence (``sequence_parallel``, input
-            ``[s/tp, b, K]``) or copied (input ``[s, b, K]``), the output is ``[s, b, N/tp]``.
+            ``[s/tp, b, K]``; in FP8 under FP8) or copied (input ``[s, b, K]``), the output is ``[s, b, N/tp]``;
+            the input gradient is all-reduced (reduce-scattered) while the wgrad GEMM runs.
         parameters_split: ``{prefix: rows}`` to keep the weight as several parameters ``{prefix}weight`` /
             ``{prefix}bias`` (e.g. query/key/value), concatenated in forward; each part is sharded on its own.
         row_order: internal (MultiheadAttention): a permutation applied to the master weight's rows before it
@@ -194,6 +212,7 @@ class LayerNormLinear(FP8Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.tp_group = tp_group if tp_size > 1 else None
         self.sequence_parallel = sequence_parallel and self.tp_group is not None
+        self._comm = tp_comm(self.tp_group, "column", self.sequence_parallel)
         dtype = params_dtype or torch.get_default_dtype()
         self._rms = normalization == "RMSNorm"
         self.layer_norm_weight = self.layer_norm_bias = None
@@ -249,26 +268,26 @@ class LayerNormLinear(FP8Module):
             ln_fp8 = None
         else:
             ln, ln_fp8, s = input_norm(self, x, None if q is None else q.input, residual)
+        fuse = self.fuse_wgrad_accumulation
+        if q is not None and not q.input.is_block:  # the op communicates (module docstring)
+            w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
+            if qkv_split is not None:
+                out = fp8_linear_qkv(ln, weight, bias, q, qkv_split, w_fp8=w_fp8, x_fp8=ln_fp8, fuse_wgrad=fuse,
+                                     comm=self._comm)
+            else:
+                out = fp8_linear(ln, weight, bias, q, w_fp8=w_fp8, x_fp8=ln_fp8, fuse_wgrad=fuse, comm=self._comm)
+            return norm_module_outputs(self, out, ln, s, return_norm_input)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         if q is None:
-            if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+            if fuse and torch.is_grad_enabled():
                 out = linear_main_grad(total, weight, bias)
             else:
                 out = F.linear(total, weight, bias)
-            if qkv_split is not None:
-                out = split_grouped_qkv(out, *qkv_split)
-        else:
+        else:  # Float8BlockScaling: unfused (class docstring)
             w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
-            if q.input.is_block:  # Float8BlockScaling: unfused (class docstring)
-                out = block_fp8_linear(total, weight, bias, q, w_q=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
-                if qkv_split is not None:
-                    out = split_grouped_qkv(out, *qkv_split)
-            elif qkv_split is not None:
-                out = fp8_linear_qkv(total, weight, bias, q, qkv_split, w_fp8=w_fp8, x_fp8=ln_fp8,
-                                     fuse_wgrad=self.fuse_wgrad_accumulation)
-            else:
-                out = fp8_linear(total, weight, bias, q, w_fp8=w_fp8, x_fp8=ln_fp8,
-                                 fuse_wgrad=self.fuse_wgrad_accumulation)
+            out = block_fp8_linear(total, weight, bias, q, w_q=w_fp8, fuse_wgrad=fuse)
+        if qkv_split is not None:
+            out = split_grouped_qkv(out, *qkv_split)
         return norm_module_outputs(self, out, ln, s, return_norm_input)
 
     def extra_repr(self) -> str:

@@ -1,5 +1,7 @@
 """``LayerNormMLP``: norm -> fc1 -> activation -> fc2, both GEMMs in FP8 inside autocast, optionally tensor
-parallel (fc1 column-parallel, fc2 row-parallel; Megatron-LM's MLP)."""
+parallel (fc1 column-parallel, fc2 row-parallel; Megatron-LM's MLP). Under per-tensor FP8 the tensor-parallel
+communication runs inside the MLP op (:func:`fp8engine.ops.mlp.fp8_mlp`, one
+:class:`~fp8engine.parallel.linear_ops.TPLinearComm` per GEMM); otherwise through the region mappings."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 from fp8engine.modules.base import FP8Module
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
                                                 exit_row_parallel, input_norm, master_weight, new_param,
-                                                norm_module_outputs, shard, tp_size_rank)
+                                                norm_module_outputs, shard, tp_comm, tp_size_rank)
 from fp8engine.ops.block_mlp import block_fp8_mlp
 from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, _unfused_fp8_mlp, activation, fp8_mlp
@@ -76,6 +78,8 @@ class LayerNormMLP(FP8Module):
         self.fused, self.gelu_epilogue = fused, gelu_epilogue
         self.tp_group = tp_group if tp_size > 1 else None
         self.sequence_parallel = sequence_parallel and self.tp_group is not None
+        self._comms = (tp_comm(self.tp_group, "column", self.sequence_parallel),
+                       tp_comm(self.tp_group, "row", self.sequence_parallel))
         self._rms = normalization == "RMSNorm"
         dtype = params_dtype or torch.get_default_dtype()
         init = torch.zeros if zero_centered_gamma else torch.ones
@@ -103,6 +107,9 @@ class LayerNormMLP(FP8Module):
         by the norm kernel); ``return_norm_input`` appends the normalised tensor to the outputs, and its gradient
         is added inside the norm's backward."""
         quantizers = self.fp8_begin()
+        if quantizers is not None and not quantizers[0].input.is_block:  # the op communicates
+            y, ln, s = self._fp8_forward(x, quantizers, is_first_microbatch, residual)
+            return norm_module_outputs(self, y, ln, s, return_norm_input)
         # Row-parallel fc2 adds its bias after the reduction; unsharded, the GEMM adds it.
         fc2_bias = self.fc2_bias if self.tp_group is None else None
         if quantizers is None:
@@ -111,7 +118,7 @@ class LayerNormMLP(FP8Module):
                                 self.fc1_bias)
             y = self._hp_linear(activation(h, self.activation), self.fc2_weight, fc2_bias)
         else:
-            y, ln, s = self._fp8_forward(x, quantizers, fc2_bias, is_first_microbatch, residual)
+            y, ln, s = self._block_forward(x, quantizers, fc2_bias, is_first_microbatch, residual)
         if self.tp_group is not None:
             y = exit_row_parallel(y, self.fc2_bias, self.tp_group, self.sequence_parallel)
         return norm_module_outputs(self, y, ln, s, return_norm_input)
@@ -121,20 +128,27 @@ class LayerNormMLP(FP8Module):
             return linear_main_grad(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def _fp8_forward(self, x, quantizers, fc2_bias, is_first_microbatch, residual):
+    def _fp8_forward(self, x, quantizers, is_first_microbatch, residual):
+        """Per-tensor FP8: the MLP op with fc1's and fc2's communication (fc2's bias added after its reduction)."""
         fc1, fc2 = quantizers
-        fuse = self.fuse_wgrad_accumulation
         ln, ln_fp8, s = input_norm(self, x, fc1.input, residual)
+        w1 = self.fp8_weight("fc1_weight", self.fc1_weight, fc1.weight, is_first_microbatch)
+        w2 = self.fp8_weight("fc2_weight", self.fc2_weight, fc2.weight, is_first_microbatch)
+        mlp = fp8_mlp if self.fused else _unfused_fp8_mlp
+        y = mlp(ln, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, self.activation, fc1, fc2,
+                w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=self.fuse_wgrad_accumulation,
+                gelu_epilogue=self.gelu_epilogue, fc1_comm=self._comms[0], fc2_comm=self._comms[1])
+        return y, ln, s
+
+    def _block_forward(self, x, quantizers, fc2_bias, is_first_microbatch, residual):
+        """Float8BlockScaling: unfused (class docstring); the caller reduces fc2's output over the ranks."""
+        fc1, fc2 = quantizers
+        ln, _, s = input_norm(self, x, fc1.input, residual)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         w1 = self.fp8_weight("fc1_weight", self.fc1_weight, fc1.weight, is_first_microbatch)
         w2 = self.fp8_weight("fc2_weight", self.fc2_weight, fc2.weight, is_first_microbatch)
-        if fc1.input.is_block:  # Float8BlockScaling: unfused (class docstring)
-            y = block_fp8_mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation,
-                              fc1, fc2, w1_q=w1, w2_q=w2, fuse_wgrad=fuse)
-            return y, ln, s
-        mlp = fp8_mlp if self.fused else _unfused_fp8_mlp
-        y = mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation, fc1, fc2,
-                w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=fuse, gelu_epilogue=self.gelu_epilogue)
+        y = block_fp8_mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation,
+                          fc1, fc2, w1_q=w1, w2_q=w2, fuse_wgrad=self.fuse_wgrad_accumulation)
         return y, ln, s
 
     def extra_repr(self) -> str:

@@ -69,11 +69,13 @@ class Linear(FP8Module):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``x``: ``[*, in_features]``; ``is_first_microbatch``: FP8 weight caching (see :class:`FP8WeightCache`)."""
-        return self._linear(x, self.bias, is_first_microbatch)
+        return self._linear(x, self.bias, self.fp8_begin(), is_first_microbatch)
 
-    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], is_first_microbatch: Optional[bool]):
-        """The GEMM with a given bias (subclasses that add the bias after a reduction pass None)."""
-        quantizers = self.fp8_begin()
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], quantizers, is_first_microbatch: Optional[bool],
+                comm=None):
+        """The GEMM with a given bias under ``quantizers`` (:meth:`fp8_begin`'s result). ``comm``: the per-tensor
+        FP8 op's tensor-parallel communication (a :class:`~fp8engine.ops.comm.LinearComm`; ignored by the
+        high-precision and block-scaled paths, whose callers communicate around them)."""
         if quantizers is None:
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
                 return linear_main_grad(x, self.weight, bias)
@@ -83,7 +85,7 @@ class Linear(FP8Module):
         w_fp8 = self.fp8_weight("weight", self.weight, q.weight, is_first_microbatch)
         if q.input.is_block:
             return block_fp8_linear(x, self.weight, bias, q, w_q=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
-        return fp8_linear(x, self.weight, bias, q, w_fp8=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
+        return fp8_linear(x, self.weight, bias, q, w_fp8=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation, comm=comm)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,4 +1,4 @@
-"""The FP8 linear op: one ``autograd.Function`` around the three GEMMs.
+"""The linear op: one ``autograd.Function`` around the three GEMMs, with optional tensor-parallel communication.
 
 - fprop: ``y  = x  @ w.T``   (E4M3 x E4M3 under HYBRID, fast accumulation)
 - dgrad: ``dx = dy @ w``     (E5M2 grad x E4M3 weight)
@@ -7,21 +7,38 @@
 Operands are cast by the GEMM's :class:`~fp8engine.fp8.quantizer.LinearQuantizers`. Backward casts ``dy`` once with
 ``Quantizer.quantize_dbias`` (on CUDA the ``cast_transpose_dbias`` kernel:
 both FP8 layouts and the bias gradient in one pass) and runs the two GEMMs in :func:`dgrad_wgrad`, which the fused
-MLP op (``fp8engine.ops.mlp``) shares.
+MLP op (``fp8engine.ops.mlp``) and the QKV op (``fp8engine.ops.qkv``) share.
+
+Tensor parallelism (``comm``, a :class:`~fp8engine.ops.comm.LinearComm`; None: no communication). Per rank:
+
+- column parallel, ``weight [N/tp, K]``: input ``[s, b, K]``, or ``[s/tp, b, K]`` with sequence parallelism,
+  all-gathered along dim 0 before fprop (FP8 bytes under FP8: the shard is cast with the tp-shared scale, see
+  :mod:`fp8engine.parallel.fp8_comm`); output ``[s, b, N/tp]``. Backward: the re-gather of the input shard is
+  started before the dgrad GEMM and waited for before wgrad; the dgrad's all-reduce (reduce-scatter to
+  ``[s/tp, b, K]`` with sequence parallelism) is started after the dgrad GEMM and waited for after wgrad
+  (Megatron-core's async dgrad communication, overlapped with the wgrad GEMM).
+- row parallel, ``weight [N, K/tp]``: input ``[s, b, K/tp]``; fprop's partial output is all-reduced (reduce-
+  scattered to ``[s/tp, b, N]`` with sequence parallelism), then the bias ``[N]`` is added. Backward all-gathers
+  the output gradient (sequence parallelism) before dgrad/wgrad; the bias gradient is this rank's rows' sum.
+
+Without quantizers (:func:`linear` with ``quantizers=None``, used by the tensor-parallel layers outside FP8 regions)
+the same op runs the three GEMMs as plain matmuls in the input's dtype, with the same communication.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
+from fp8engine.ops.comm import LinearComm
 from fp8engine.ops.gemm import fp8_gemm, fp8_mm, fp8_mm_accumulate
 
-__all__ = ["fp8_linear", "LINEAR_ROLES", "main_grad_of", "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad",
-           "linear_backward"]
+__all__ = ["linear", "fp8_linear", "linear_input", "output_leading_dims", "LINEAR_ROLES", "main_grad_of",
+           "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")
@@ -47,60 +64,105 @@ def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
     main_grad_of(weight).add_(dw)
 
 
-class _HighPrecisionMainGrad(torch.autograd.Function):
-    """High-precision linear whose wgrad goes into ``weight.main_grad`` (``fuse_wgrad_accumulation``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy2d, x2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        accumulate_wgrad(weight, (dy2d.t() @ x2d).float())
-        db = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dy @ weight, None, db
-
-
 def linear_main_grad(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """High-precision ``F.linear`` whose weight gradient is added to ``weight.main_grad`` (``weight.grad`` stays
-    None): the path ``fuse_wgrad_accumulation`` takes outside FP8 regions."""
-    return _HighPrecisionMainGrad.apply(x, weight, bias)
+    None): the path ``fuse_wgrad_accumulation`` takes outside FP8 regions (:func:`linear` without quantizers)."""
+    return linear(x, weight, bias, None, fuse_wgrad=True)
+
+
+def output_leading_dims(x: torch.Tensor, rows: int) -> tuple:
+    """The leading dims of an output with ``rows`` rows for the input ``x [*, K]``: ``x``'s, with dim 0 scaled by
+    the all-gather (``tp``) or the reduce-scatter (``1/tp``) that changed the row count."""
+    local = math.prod(x.shape[:-1])
+    if rows == local:
+        return tuple(x.shape[:-1])
+    return (rows * x.shape[0] // local,) + tuple(x.shape[1:-1])
 
 
 class _FP8Linear(torch.autograd.Function):
+    """The linear op (module docstring). ``x_total`` is the fprop input ``[M, K]`` after any all-gather: a
+    :class:`Float8Tensor` under FP8, else high precision (then ``w_fp8`` and ``grad_quantizer`` are None).
+    ``x_shard``: the input's sequence shard that backward re-gathers for wgrad (instead of keeping ``x_total``)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, grad_quantizer: Quantizer,
-                fuse_wgrad: bool):
-        y = fp8_gemm(x_fp8, w_fp8, x.dtype, bias=None if bias is None else bias.to(x.dtype), use_fast_accum=True)
-        ctx.save_for_backward(weight)
-        # Backward needs only the transposed layouts (dgrad: W^T, wgrad: X^T); keep those, not the row-major bits.
+    def forward(ctx, x, weight, bias, x_total, w_fp8: Optional[Float8Tensor], grad_quantizer: Optional[Quantizer],
+                fuse_wgrad: bool, comm: Optional[LinearComm] = None, x_shard=None):
+        row = comm is not None and comm.reduces_output
         needs_dw = ctx.needs_input_grad[1] or fuse_wgrad
-        ctx.x_t = (x_fp8.transpose_2d(), x_fp8.scale_inv) if needs_dw else None
-        ctx.w_t = (w_fp8.transpose_2d(), w_fp8.scale_inv) if ctx.needs_input_grad[0] else None
-        ctx.grad_quantizer, ctx.fuse_wgrad = grad_quantizer, fuse_wgrad
+        ctx.grad_quantizer, ctx.fuse_wgrad, ctx.comm = grad_quantizer, fuse_wgrad, comm
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        gemm_bias = None if bias is None or row else bias
+        if grad_quantizer is None:  # high precision: keep x_total, or the shard to re-gather
+            y = F.linear(x_total, weight, gemm_bias)
+            ctx.regather = needs_dw and x_shard is not None
+            ctx.save_for_backward((x_total if x_shard is None else x_shard) if needs_dw else None, weight)
+        else:
+            ctx.x_shard = x_shard if needs_dw else None
+            y = fp8_gemm(x_total, w_fp8, x.dtype, bias=None if gemm_bias is None else gemm_bias.to(x.dtype),
+                         use_fast_accum=True)
+            ctx.save_for_backward(weight)
+            # Backward needs only the transposed layouts (dgrad: W^T, wgrad: X^T); keep those, not the row-major
+            # bits (or only the FP8 input shard, re-gathered in backward).
+            ctx.x_t = (x_total.transpose_2d(), x_total.scale_inv) if needs_dw and x_shard is None else None
+            ctx.w_t = (w_fp8.transpose_2d(), w_fp8.scale_inv) if ctx.needs_input_grad[0] else None
+        if row:  # the partial sums over the ranks, then the (unsharded) bias
+            y = comm.reduce_output(y)
+            if bias is not None:
+                y = y + bias.to(y.dtype)
+        return y.reshape(*output_leading_dims(x, y.shape[0]), y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         dy2d = dy.reshape(-1, dy.shape[-1])
-        need_dw = ctx.needs_input_grad[1] or ctx.fuse_wgrad
-        dy_fp8, db = ctx.grad_quantizer.quantize_dbias(dy2d, transpose=need_dw, dbias=ctx.needs_input_grad[2])
-        return linear_backward(ctx, dy_fp8, db)
+        need_db, db_rows = ctx.needs_input_grad[2], None
+        comm = ctx.comm
+        if comm is not None and comm.reduces_output:
+            if need_db:  # the bias was added to this rank's rows after the reduction
+                db_rows = dy2d.sum(0, dtype=torch.promote_types(dy.dtype, torch.float32))
+            need_db = False
+            dy2d = comm.gather_output_grad(dy2d)
+        if ctx.grad_quantizer is None:
+            grads = _hp_backward(ctx, dy2d, need_db)
+        else:
+            need_dw = ctx.needs_input_grad[1] or ctx.fuse_wgrad
+            dy_fp8, db = ctx.grad_quantizer.quantize_dbias(dy2d, transpose=need_dw, dbias=need_db)
+            grads = linear_backward(ctx, dy_fp8, db)
+        if db_rows is not None:
+            grads = (grads[0], grads[1], db_rows.to(ctx.saved_tensors[-1].dtype)) + grads[3:]
+        return (*grads, None, None)
+
+
+def _hp_backward(ctx, dy2d: torch.Tensor, need_db: bool) -> tuple:
+    """dgrad + wgrad of a high-precision ``_FP8Linear`` node, with the communication of :func:`dgrad_wgrad`."""
+    x_saved, weight = ctx.saved_tensors
+    comm, fuse = ctx.comm, ctx.fuse_wgrad
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or fuse
+    finish = comm.regather_input(x_saved) if need_dw and ctx.regather else None
+    dx = work = dw = None
+    if need_dx:  # dgrad: dx = dy @ w (a partial sum over the ranks for column parallel)
+        dx = dy2d @ weight
+        if comm is not None:
+            dx, work = comm.start_dgrad_comm(dx)
+    if need_dw:  # wgrad: dw = dy.T @ x_total, overlapped with the dgrad communication
+        dw = dy2d.t() @ (x_saved if finish is None else finish())
+        if fuse:
+            accumulate_wgrad(weight, dw.float())
+            dw = None
+    db = dy2d.sum(0, dtype=torch.promote_types(dy2d.dtype, torch.float32)).to(weight.dtype) if need_db else None
+    if work is not None:
+        work.wait()
+    return (None if dx is None else dx.reshape(ctx.x_shape)), dw, db, None, None, None, None
 
 
 def linear_backward(ctx, dy_fp8: Float8Tensor, db: Optional[torch.Tensor]) -> tuple:
-    """dgrad + wgrad of an ``_FP8Linear`` node given its output gradient already in FP8 (``dy_fp8 [M, N]``) and
-    its bias gradient ``db`` (or None); returns the node's input gradients ``(dx, dw, db, None x 4)``."""
-    (weight,) = ctx.saved_tensors
+    """dgrad + wgrad of an FP8 ``_FP8Linear`` node (communication included, :func:`dgrad_wgrad`) given its output
+    gradient already in FP8 (``dy_fp8 [M, N]``, after any all-gather) and its bias gradient ``db`` (or None);
+    returns the gradients of the node's first seven inputs ``(dx, dw, db, None x 4)``, ``dx`` shaped like ``x``."""
+    weight = ctx.saved_tensors[-1]
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.fuse_wgrad
     dx, dw = dgrad_wgrad(dy_fp8, ctx.w_t if need_dx else None, ctx.x_t if need_dw else None, weight,
-                         ctx.fuse_wgrad)
-    ctx.x_t = ctx.w_t = None
+                         ctx.fuse_wgrad, comm=ctx.comm, x_shard=ctx.x_shard if need_dw else None)
+    ctx.x_t = ctx.w_t = ctx.x_shard = None
     if dx is not None:
         dx = dx.reshape(ctx.x_shape)
     if db is not None:
@@ -109,44 +171,97 @@ def linear_backward(ctx, dy_fp8: Float8Tensor, db: Optional[torch.Tensor]) -> tu
 
 
 def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple], weight: torch.Tensor,
-                fuse_wgrad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                fuse_wgrad: bool, *, comm: Optional[LinearComm] = None,
+                x_shard: Optional[Float8Tensor] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The two backward GEMMs of a linear layer given its FP8 output gradient ``dy_fp8 [M, N]``.
 
     - dgrad ``dx = dy @ w`` ``[M, K]`` in ``dy_fp8.dtype``, when ``w_t = (W^T data [K, N], scale_inv)`` is given;
+      with ``comm`` its communication (:meth:`LinearComm.start_dgrad_comm`: column parallel, all-reduce or
+      reduce-scatter to ``[M / tp, K]``) is started right after the GEMM and waited for after wgrad;
     - wgrad ``dw = dy.T @ x`` ``[N, K]`` (token dim zero-padded to a multiple of 16), when
-      ``x_t = (X^T data [K, M], scale_inv)`` is given: in ``weight.dtype``, or with ``fuse_wgrad`` in fp32 added
-      accumulated into ``weight.main_grad`` by the GEMM itself (:func:`fp8_mm_accumulate`: cuBLASLt with beta = 1
-      on CUDA), then returned as None.
+      ``x_t = (X^T data [K, M], scale_inv)`` is given, or ``x_shard`` (an FP8 sequence shard ``[M / tp, K]``
+      whose all-gather with ``comm`` is started before the dgrad GEMM): in ``weight.dtype``, or with
+      ``fuse_wgrad`` in fp32 accumulated into ``weight.main_grad`` by the GEMM itself (:func:`fp8_mm_accumulate`:
+      cuBLASLt with beta = 1 on CUDA), then returned as None.
     Returns ``(dx or None, dw or None)``.
     """
-    dx = dw = None
+    finish = comm.regather_input(x_shard) if x_shard is not None else None
+    dx = dw = work = None
     if w_t is not None:
         dx = fp8_mm(dy_fp8.data, dy_fp8.scale_inv, w_t[0], w_t[1], dy_fp8.dtype)
+        if comm is not None:
+            dx, work = comm.start_dgrad_comm(dx)
+    if finish is not None:
+        x_total = finish()
+        x_t = (x_total.transpose_2d(), x_total.scale_inv)
     if x_t is not None:
         if fuse_wgrad:
             fp8_mm_accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], main_grad_of(weight),
                               pad_inner=True)
         else:
             dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], weight.dtype, pad_inner=True)
+    if work is not None:
+        work.wait()
     return dx, dw
+
+
+def linear_input(x: torch.Tensor, quantizer: Optional[Quantizer], x_fp8: Optional[Float8Tensor],
+                 comm: Optional[LinearComm], transpose: bool
+                 ) -> tuple[Union[torch.Tensor, Float8Tensor], Optional[Union[torch.Tensor, Float8Tensor]]]:
+    """fprop's input of a linear op and what its backward re-gathers: ``(x_total [M, K], x_shard or None)``.
+
+    ``x [*, K]`` is this rank's input; with ``comm.gathers_input`` (column + sequence parallel) it is all-gathered
+    by :meth:`LinearComm.gather_input`. ``quantizer`` (the GEMM's input role) casts it, with the transpose for
+    wgrad when ``transpose``; None keeps it in high precision. ``x_fp8``: ``x`` already cast (by a norm kernel),
+    returned as is.
+
+    Raises:
+        ValueError: ``x_fp8`` given together with a ``comm`` that all-gathers the input (cast after the gather).
+    """
+    if comm is not None and comm.gathers_input:
+        if x_fp8 is not None:
+            raise ValueError("an input already cast to FP8 cannot be all-gathered for sequence parallelism; pass "
+                             "the high-precision input (the op casts the shard with the tp-shared scale)")
+        return comm.gather_input(x.detach().reshape(-1, x.shape[-1]), quantizer, transpose)
+    if x_fp8 is not None:
+        return x_fp8, None
+    if quantizer is None:
+        return x.detach().reshape(-1, x.shape[-1]), None
+    return quantizer.quantize(x.reshape(-1, x.shape[-1]), transpose=transpose), None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           quantizers: Optional[LinearQuantizers] = None, *, comm: Optional[LinearComm] = None,
+           w_fp8: Optional[Float8Tensor] = None, x_fp8: Optional[Float8Tensor] = None,
+           fuse_wgrad: bool = False) -> torch.Tensor:
+    """``x @ weight.T + bias`` with gradients, in FP8 under ``quantizers``, with ``comm``'s communication.
+
+    Args:
+        x: ``[*, K]`` float32/bf16/fp16, this rank's input: ``[s, b, K]``, or ``[s/tp, b, K]`` when ``comm``
+            all-gathers it (column + sequence parallel). Output in ``x.dtype``: ``[*, N]`` (``[s, b, N/tp]``
+            column parallel; ``[s, b, N]``, or ``[s/tp, b, N]`` with sequence parallelism, row parallel).
+        weight: ``[N, K]`` (this rank's shard). bias: ``[N]`` or None (row parallel: added after the reduction).
+            FP8: K and N multiples of 16.
+        quantizers: the GEMM's :class:`LinearQuantizers` (``FP8Module.fp8_begin()``); None: plain matmuls.
+        comm: a :class:`~fp8engine.ops.comm.LinearComm` (module docstring), or None.
+        w_fp8: an already cast weight (FP8 weight caching across micro-batches); cast now when None.
+        x_fp8: an already cast input (e.g. written by a fused norm kernel); cast now when None.
+        fuse_wgrad: accumulate wgrad into ``weight.main_grad`` (fp32); ``weight.grad`` stays None.
+    Raises:
+        ValueError: as :func:`linear_input`; ``main_grad`` missing or malformed with ``fuse_wgrad`` (backward).
+    """
+    if quantizers is None:
+        x_total, x_shard = linear_input(x, None, None, comm, False)
+        return _FP8Linear.apply(x, weight, bias, x_total, None, None, fuse_wgrad, comm, x_shard)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    x_total, x_shard = linear_input(x, quantizers.input, x_fp8, comm, needs_grad)
+    if w_fp8 is None:
+        w_fp8 = quantizers.weight.quantize(weight, transpose=needs_grad)
+    return _FP8Linear.apply(x, weight, bias, x_total, w_fp8, quantizers.grad_output, fuse_wgrad, comm, x_shard)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], quantizers: LinearQuantizers,
                *, w_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
-               x_fp8: Optional[Float8Tensor] = None) -> torch.Tensor:
-    """FP8 ``x @ weight.T + bias`` with gradients.
-
-    Args:
-        x: ``[*, K]`` high precision; output ``[*, N]`` in ``x.dtype``.
-        weight: ``[N, K]``. bias: ``[N]`` or None. K and N multiples of 16.
-        quantizers: the GEMM's :class:`LinearQuantizers` (``FP8Module.fp8_begin()``).
-        w_fp8: an already cast weight (FP8 weight caching across micro-batches); cast now when None.
-        x_fp8: an already cast input (e.g. written by a fused norm kernel); cast now when None.
-        fuse_wgrad: accumulate wgrad into ``weight.main_grad`` (fp32); ``weight.grad`` stays None.
-    """
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if x_fp8 is None:
-        x_fp8 = quantizers.input.quantize(x.reshape(-1, x.shape[-1]), transpose=needs_grad)
-    if w_fp8 is None:
-        w_fp8 = quantizers.weight.quantize(weight, transpose=needs_grad)
-    return _FP8Linear.apply(x, weight, bias, x_fp8, w_fp8, quantizers.grad_output, fuse_wgrad)
+               x_fp8: Optional[Float8Tensor] = None, comm: Optional[LinearComm] = None) -> torch.Tensor:
+    """FP8 ``x @ weight.T + bias`` with gradients: :func:`linear` with ``quantizers`` (same arguments)."""
+    return linear(x, weight, bias, quantizers, comm=comm, w_fp8=w_fp8, x_fp8=x_fp8, fuse_wgrad=fuse_wgrad)

@@ -8,7 +8,14 @@
 - backward: cast ``dy`` (with fc2's dbias) -> fc2 dgrad ``da = dy @ W2`` -> fc2 wgrad ``dW2 = dy.T @ a`` ->
   activation backward cast to FP8 (with fc1's dbias) -> fc1 dgrad ``dx = dh @ W1`` -> fc1 wgrad ``dW1 = dh.T @ x``.
 
-It keeps for backward only x^T and W1^T (FP8), the pre-activation ``h`` (high precision, for the activation
+Tensor parallelism (Megatron-LM's MLP): fc1 is column parallel, fc2 row parallel, each with its own
+:class:`~fp8engine.ops.comm.LinearComm` (``fc1_comm``, ``fc2_comm``; None: no communication), called where
+:func:`fp8engine.ops.linear.linear` calls them: fc1's input all-gather before fc1 fprop (sequence parallel, FP8
+bytes), fc2's output reduction after fc2 fprop (then b2 is added), the all-gather of ``dy`` first in backward
+(sequence parallel), fc1's dgrad communication started after the fc1 dgrad GEMM and waited for after fc1 wgrad,
+and the re-gather of fc1's FP8 input shard started before that dgrad GEMM.
+
+It keeps for backward only x^T (or, sequence parallel, this rank's FP8 shard of x) and W1^T (FP8), the pre-activation ``h`` (high precision, for the activation
 backward), a^T and W2^T (FP8). The elementwise passes dispatch on :func:`fp8engine.fp8.float8_tensor.use_kernels`: on CUDA
 the Triton kernels of ``fp8engine.kernels.activation`` / ``.cast`` (activation forward writing FP8 directly,
 activation backward + cast-transpose + dbias in one pass, ``cast_transpose_dbias`` for ``dy``), elsewhere
@@ -33,7 +40,8 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
-from fp8engine.ops.linear import dgrad_wgrad, fp8_linear
+from fp8engine.ops.comm import LinearComm
+from fp8engine.ops.linear import dgrad_wgrad, fp8_linear, linear_input, output_leading_dims
 
 __all__ = ["ACTIVATIONS", "act_fwd", "act_bwd", "activation", "activation_cast", "act_fwd_cast", "act_bwd_cast",
            "fc1_fprop_act", "fp8_mlp", "MLP_ROLES"]
@@ -177,7 +185,9 @@ class _FP8MLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, x_fp8: Float8Tensor, w1_fp8: Float8Tensor, w2_fp8: Float8Tensor,
-                fc1: LinearQuantizers, fc2: LinearQuantizers, kind: str, fuse_wgrad: bool, gelu_epilogue: bool):
+                fc1: LinearQuantizers, fc2: LinearQuantizers, kind: str, fuse_wgrad: bool, gelu_epilogue: bool,
+                fc1_comm: Optional[LinearComm] = None, fc2_comm: Optional[LinearComm] = None,
+                x_shard: Optional[Float8Tensor] = None):
         need_x, need_w1, need_b1, need_w2 = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                                              ctx.needs_input_grad[2], ctx.needs_input_grad[3])
         need_dw1, need_dw2 = need_w1 or fuse_wgrad, need_w2 or fuse_wgrad
@@ -185,52 +195,68 @@ class _FP8MLP(torch.autograd.Function):
         # fc1 fprop h = x @ W1.T + b1 and the activation, written in FP8 for fc2 (with a^T for fc2's wgrad)
         h, a_fp8 = fc1_fprop_act(x_fp8, w1_fp8, b1, x.dtype, kind, fc2.input, transpose=need_dw2,
                                  gelu_epilogue=gelu_epilogue)
-        # fc2 fprop: y = a @ W2.T + b2
-        y = fp8_gemm(a_fp8, w2_fp8, x.dtype, bias=None if b2 is None else b2.to(x.dtype), use_fast_accum=True)
+        # fc2 fprop: y = a @ W2.T + b2 (row parallel: b2 added after the reduction over the ranks)
+        row = fc2_comm is not None and fc2_comm.reduces_output
+        y = fp8_gemm(a_fp8, w2_fp8, x.dtype, bias=None if b2 is None or row else b2.to(x.dtype),
+                     use_fast_accum=True)
+        if row:
+            y = fc2_comm.reduce_output(y)
+            if b2 is not None:
+                y = y + b2.to(y.dtype)
         ctx.save_for_backward(w1, w2, h if need_dh else None)
-        ctx.x_t = (x_fp8.transpose_2d(), x_fp8.scale_inv) if need_dw1 else None
+        ctx.x_shard = x_shard if need_dw1 else None  # re-gathered in backward instead of keeping x^T
+        ctx.x_t = (x_fp8.transpose_2d(), x_fp8.scale_inv) if need_dw1 and x_shard is None else None
         ctx.w1_t = (w1_fp8.transpose_2d(), w1_fp8.scale_inv) if need_x else None
         ctx.a_t = (a_fp8.transpose_2d(), a_fp8.scale_inv) if need_dw2 else None
         ctx.w2_t = (w2_fp8.transpose_2d(), w2_fp8.scale_inv) if need_dh else None
         ctx.grad_q1, ctx.grad_q2, ctx.kind, ctx.fuse_wgrad = fc1.grad_output, fc2.grad_output, kind, fuse_wgrad
-        ctx.x_shape = x.shape
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        ctx.x_shape, ctx.comms = x.shape, (fc1_comm, fc2_comm)
+        return y.reshape(*output_leading_dims(x, y.shape[0]), y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         w1, w2, h = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        fuse = ctx.fuse_wgrad
+        fuse, (fc1_comm, fc2_comm) = ctx.fuse_wgrad, ctx.comms
+        dy2d, db2 = dy.reshape(-1, dy.shape[-1]), None
+        if fc2_comm is not None and fc2_comm.reduces_output:
+            if need_b2:  # b2 was added to this rank's rows after the reduction
+                db2 = dy2d.sum(0, dtype=torch.float32).to(dy.dtype)
+            need_b2 = False
+            dy2d = fc2_comm.gather_output_grad(dy2d)
         # fc2: cast dy (+ fc2 dbias), dgrad da = dy @ W2, wgrad dW2 = dy.T @ a
-        dy_fp8, db2 = ctx.grad_q2.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=ctx.a_t is not None,
-                                                 dbias=need_b2)
+        dy_fp8, db2_fused = ctx.grad_q2.quantize_dbias(dy2d, transpose=ctx.a_t is not None, dbias=need_b2)
+        db2 = db2 if db2_fused is None else db2_fused
         da, dw2 = dgrad_wgrad(dy_fp8, ctx.w2_t, ctx.a_t, w2, fuse)
         dx = dw1 = db1 = None
         if da is not None:
-            # activation backward cast to FP8 (+ fc1 dbias), fc1 dgrad dx = dh @ W1, wgrad dW1 = dh.T @ x
-            dh_fp8, db1 = act_bwd_cast(da, h, ctx.kind, ctx.grad_q1, transpose=ctx.x_t is not None,
-                                       dbias=need_b1)
-            dx, dw1 = dgrad_wgrad(dh_fp8, ctx.w1_t, ctx.x_t, w1, fuse)
+            # activation backward cast to FP8 (+ fc1 dbias), fc1 dgrad dx = dh @ W1 (its communication overlapped
+            # with the wgrad), wgrad dW1 = dh.T @ x
+            need_dw1 = ctx.x_t is not None or ctx.x_shard is not None
+            dh_fp8, db1 = act_bwd_cast(da, h, ctx.kind, ctx.grad_q1, transpose=need_dw1, dbias=need_b1)
+            dx, dw1 = dgrad_wgrad(dh_fp8, ctx.w1_t, ctx.x_t, w1, fuse, comm=fc1_comm, x_shard=ctx.x_shard)
             if dx is not None:
                 dx = dx.reshape(ctx.x_shape)
             if db1 is not None:
                 db1 = db1.to(w1.dtype)
         if db2 is not None:
             db2 = db2.to(w2.dtype)
-        ctx.x_t = ctx.w1_t = ctx.a_t = ctx.w2_t = None
-        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None
+        ctx.x_t = ctx.w1_t = ctx.a_t = ctx.w2_t = ctx.x_shard = None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None, None, None
 
 
 def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor], fc2_weight: torch.Tensor,
             fc2_bias: Optional[torch.Tensor], kind: str, fc1: LinearQuantizers, fc2: LinearQuantizers, *,
             w1_fp8: Optional[Float8Tensor] = None, w2_fp8: Optional[Float8Tensor] = None,
             x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
-            gelu_epilogue: bool = True) -> torch.Tensor:
+            gelu_epilogue: bool = True, fc1_comm: Optional[LinearComm] = None,
+            fc2_comm: Optional[LinearComm] = None) -> torch.Tensor:
     """FP8 ``fc2(act(fc1(x)))`` with gradients, as one autograd node.
 
     Args:
-        x: ``[*, h]`` high precision (per rank: the gathered sequence when sequence parallel); output ``[*, h_out]``
-            in ``x.dtype``, before any tensor-parallel reduction.
+        x: ``[*, h]`` high precision: per rank ``[s, b, h]``, or ``[s/tp, b, h]`` when ``fc1_comm`` all-gathers it
+            (sequence parallel). Output in ``x.dtype``: ``[*, h_out]``; with ``fc2_comm`` (row parallel) summed over
+            the ranks (``[s/tp, b, h_out]`` with sequence parallelism) and ``fc2_bias`` added after the sum.
         fc1_weight: ``[D, h]`` (``D = 2F`` for swiglu, ``[gate | up]``); fc2_weight ``[h_out, F]``; biases ``[D]``,
             ``[h_out]`` or None. All dims multiples of 16.
         kind: ``"gelu"``, ``"relu"`` or ``"swiglu"``.
@@ -239,21 +265,25 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
             cast now when None. x_fp8: ``x`` already cast (by the norm kernel); cast now when None.
         fuse_wgrad: weight gradients go to fp32 ``weight.main_grad``; ``.grad`` stays None.
         gelu_epilogue: let fc1's GEMM apply GELU and write the FP8 activation where it can (:func:`fc1_fprop_act`).
+        fc1_comm, fc2_comm: the tensor-parallel communication of fc1 (column parallel) and fc2 (row parallel),
+            :class:`~fp8engine.ops.comm.LinearComm` objects (module docstring), or None.
+    Raises:
+        ValueError: ``x_fp8`` given while ``fc1_comm`` all-gathers the input (:func:`linear_input`).
     """
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or fc1_weight.requires_grad
                                               or fc2_weight.requires_grad)
-    if x_fp8 is None:
-        x_fp8 = fc1.input.quantize(x.reshape(-1, x.shape[-1]), transpose=needs_grad)
+    x_fp8, x_shard = linear_input(x, fc1.input, x_fp8, fc1_comm, needs_grad)
     if w1_fp8 is None:
         w1_fp8 = fc1.weight.quantize(fc1_weight, transpose=needs_grad)
     if w2_fp8 is None:
         w2_fp8 = fc2.weight.quantize(fc2_weight, transpose=needs_grad)
     return _FP8MLP.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, x_fp8, w1_fp8, w2_fp8, fc1, fc2, kind,
-                         fuse_wgrad, gelu_epilogue)
+                         fuse_wgrad, gelu_epilogue, fc1_comm, fc2_comm, x_shard)
 
 
 def _unfused_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, kind, fc1, fc2, *, w1_fp8=None,
-                     w2_fp8=None, x_fp8=None, fuse_wgrad=False, gelu_epilogue=False) -> torch.Tensor:
+                     w2_fp8=None, x_fp8=None, fuse_wgrad=False, gelu_epilogue=False, fc1_comm=None,
+                     fc2_comm=None) -> torch.Tensor:
     """:func:`fp8_mlp` as three autograd nodes, ``fp8_linear -> activation_cast -> fp8_linear`` (the composition
     it replaced; kept as the reference the fused op is tested against, bit for bit on CPU; never uses the GELU
     epilogue, ``gelu_epilogue`` is accepted for the same call signature)."""
@@ -261,6 +291,7 @@ def _unfused_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, kind, fc1, f
         w1_fp8 = fc1.weight.quantize(fc1_weight, transpose=torch.is_grad_enabled())
     if w2_fp8 is None:
         w2_fp8 = fc2.weight.quantize(fc2_weight, transpose=torch.is_grad_enabled())
-    h = fp8_linear(x, fc1_weight, fc1_bias, fc1, w_fp8=w1_fp8, x_fp8=x_fp8, fuse_wgrad=fuse_wgrad)
+    h = fp8_linear(x, fc1_weight, fc1_bias, fc1, w_fp8=w1_fp8, x_fp8=x_fp8, fuse_wgrad=fuse_wgrad, comm=fc1_comm)
     a, a_fp8 = activation_cast(h, kind, fc2.input, transpose=torch.is_grad_enabled())
-    return fp8_linear(a, fc2_weight, fc2_bias, fc2, w_fp8=w2_fp8, x_fp8=a_fp8, fuse_wgrad=fuse_wgrad)
+    return fp8_linear(a, fc2_weight, fc2_bias, fc2, w_fp8=w2_fp8, x_fp8=a_fp8, fuse_wgrad=fuse_wgrad,
+                      comm=fc2_comm)

@@ -20,7 +20,7 @@ import torch
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
-from fp8engine.ops.linear import _FP8Linear, linear_backward
+from fp8engine.ops.linear import _FP8Linear, linear_backward, linear_input
 
 __all__ = ["fp8_linear_qkv", "split_grouped_qkv"]
 
@@ -55,8 +55,8 @@ class _FP8LinearQKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, grad_quantizer: Quantizer,
-                fuse_wgrad: bool, split: tuple):
-        y = _FP8Linear.forward(ctx, x, weight, bias, x_fp8, w_fp8, grad_quantizer, fuse_wgrad)
+                fuse_wgrad: bool, split: tuple, comm=None, x_shard=None):
+        y = _FP8Linear.forward(ctx, x, weight, bias, x_fp8, w_fp8, grad_quantizer, fuse_wgrad, comm, x_shard)
         ctx.hpg = split[1]
         return _views(y, *split)
 
@@ -73,18 +73,18 @@ class _FP8LinearQKV(torch.autograd.Function):
         else:
             dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg)
             dy_fp8, db = q.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=need_dw, dbias=need_db)
-        return (*linear_backward(ctx, dy_fp8, db), None)
+        return (*linear_backward(ctx, dy_fp8, db), None, None, None)
 
 
 def fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    quantizers: LinearQuantizers, split: tuple[int, int, int], *, w_fp8: Optional[Float8Tensor] = None,
-                   x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False):
+                   x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False, comm=None):
     """FP8 QKV projection ``x @ weight.T + bias`` returned as ``(q, k, v)`` grouped views.
 
     Args:
-        x: ``[s, b, K]`` high precision. weight: ``[C, K]`` with ``C = g * (hpg + 2) * d`` rows in the grouped
-            layout (module docstring); bias ``[C]`` or None. quantizers/w_fp8/x_fp8/fuse_wgrad: as
-            :func:`fp8engine.ops.linear.fp8_linear`.
+        x: ``[s, b, K]`` high precision (``[s/tp, b, K]`` when ``comm`` all-gathers it). weight: ``[C, K]`` with
+            ``C = g * (hpg + 2) * d`` rows in the grouped layout (module docstring); bias ``[C]`` or None.
+            quantizers/w_fp8/x_fp8/fuse_wgrad/comm: as :func:`fp8engine.ops.linear.linear` (column parallel).
         split: ``(g, hpg, d)`` -- KV groups, query heads per group, head dim (per rank).
     Returns:
         ``q [s, b, g, hpg, d]``, ``k [s, b, g, d]``, ``v [s, b, g, d]`` in ``x.dtype`` (views of one buffer).
@@ -96,8 +96,8 @@ def fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         raise ValueError(f"fp8_linear_qkv: split {split} gives {groups * (hpg + 2) * d} output features, but the "
                          f"weight has {weight.shape[0]} rows")
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if x_fp8 is None:
-        x_fp8 = quantizers.input.quantize(x.reshape(-1, x.shape[-1]), transpose=needs_grad)
+    x_fp8, x_shard = linear_input(x, quantizers.input, x_fp8, comm, needs_grad)
     if w_fp8 is None:
         w_fp8 = quantizers.weight.quantize(weight, transpose=needs_grad)
-    return _FP8LinearQKV.apply(x, weight, bias, x_fp8, w_fp8, quantizers.grad_output, fuse_wgrad, tuple(split))
+    return _FP8LinearQKV.apply(x, weight, bias, x_fp8, w_fp8, quantizers.grad_output, fuse_wgrad, tuple(split),
+                               comm, x_shard)

@@ -1,9 +1,10 @@
 """Tensor, sequence and data parallelism (Megatron-core ``tensor_parallel`` parity), FP8-aware.
 
 Everything here that talks to ``torch.distributed`` takes its process group as an argument; ``None`` means a
-single rank. See each module: ``mappings`` (region mappings), ``layers``/``linear_ops`` (Column/RowParallelLinear),
+single rank. See each module: ``mappings`` (region mappings), ``layers`` (Column/RowParallelLinear),
+``linear_ops`` (``TPLinearComm``: the communication the linear/MLP ops run), ``block_linear_ops``,
 ``embedding``, ``cross_entropy``, ``random`` (RNG tracker, checkpoint), ``data`` (broadcast_data), ``mesh``
-(ParallelDims, init_parallel), ``fp8_comm`` (FP8 all-gather), ``inference``, ``amax`` (amax reduction).
+(ParallelDims, init_parallel), ``fp8_comm`` (FP8 all-gather), ``inference``.
 """
 from fp8engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from fp8engine.parallel.data import broadcast_data

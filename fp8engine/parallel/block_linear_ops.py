@@ -1,13 +1,15 @@
-"""The tensor-parallel linear op under ``Float8BlockScaling``: :func:`fp8engine.parallel.linear_ops.tp_linear`'s
-communication around :mod:`fp8engine.ops.block_linear`'s three block-scaled GEMMs.
+"""The tensor-parallel linear op under ``Float8BlockScaling``: the communication of a
+:class:`~fp8engine.parallel.linear_ops.TPLinearComm` around :mod:`fp8engine.ops.block_linear`'s three block-scaled
+GEMMs (the per-tensor-scaled op is :func:`fp8engine.ops.linear.linear`, with the same communication).
 
-Per rank (tp = tensor-parallel size), as ``tp_linear``:
+Per rank (tp = tensor-parallel size):
 
 - column parallel, ``weight [N/tp, K]``: ``x`` is ``[s, b, K]`` (replicated) or, with sequence parallelism,
   ``[s/tp, b, K]``, all-gathered along dim 0 first. fprop ``y [s, b, N/tp] = x_total @ w.T (+ bias)``; dgrad
   ``dx = dy @ w`` is a partial sum, all-reduced (or reduce-scattered to ``[s/tp, b, K]``) asynchronously while the
   wgrad GEMM ``dw = dy.T @ x_total`` runs (Megatron's overlap).
-- row parallel, ``weight [N, K/tp]``: a local linear; the module reduces the partial outputs.
+- row parallel, ``weight [N, K/tp]``: fprop's partial output is all-reduced (reduce-scattered to ``[s/tp, b, N]``
+  with sequence parallelism, whose backward all-gathers the output gradient), then the bias is added.
 
 Sharding and block scales: ``N/tp`` (column) and ``K/tp`` (row) must be multiples of 128, so a shard boundary is a
 block boundary and every rank's 1 x 128 tiles and 128 x 128 blocks are exactly the unsharded layer's: the sharded
@@ -37,7 +39,7 @@ from fp8engine.ops.block_gemm import block_gemm
 from fp8engine.ops.block_linear import BLOCK_DTYPES
 from fp8engine.ops.linear import main_grad_of
 from fp8engine.parallel.fp8_comm import all_gather_dim0
-from fp8engine.parallel.linear_ops import TPLinearConfig, start_dgrad_comm
+from fp8engine.parallel.linear_ops import TPLinearComm
 from fp8engine.parallel.utils import get_group_size
 from fp8engine.recipe import Float8BlockScaling
 
@@ -79,14 +81,13 @@ def all_gather_block_cols(local_t: Float8BlockTensor, group, async_op: bool = Fa
 
 class _TPBlockLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, quantizers: LinearQuantizers, cfg: TPLinearConfig):
-        group = cfg.tp_group
-        tp = get_group_size(group)
-        gather = cfg.gather_input and tp > 1
+    def forward(ctx, x, weight, bias, quantizers: LinearQuantizers, comm: TPLinearComm, fuse_wgrad: bool):
+        group = comm.tp_group
+        gather = comm.gathers_input
         x2d = x.reshape(-1, x.shape[-1])
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or cfg.fuse_wgrad
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or fuse_wgrad
         ctx.x_t_local = ctx.x_t = None
-        if gather and cfg.fp8_all_gather and x2d.shape[0] % _B == 0:
+        if gather and comm.fp8_all_gather and x2d.shape[0] % _B == 0:
             qx_local, ctx.x_t_local = quantizers.input.quantize(x2d, transpose=need_dw)
             qx, pad = all_gather_block_rows(qx_local, group), 0
         else:
@@ -98,23 +99,27 @@ class _TPBlockLinear(torch.autograd.Function):
         y = block_gemm(qx, qw, x.dtype)  # fprop
         if pad:
             y = y[:y.shape[0] - pad]
+        y = comm.reduce_output(y)  # row parallel: the partial sums over the ranks, then the bias
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(weight)
-        ctx.w_t, ctx.quantizers, ctx.cfg, ctx.pad = qw_t, quantizers, cfg, pad
+        ctx.w_t, ctx.quantizers, ctx.comm, ctx.fuse_wgrad, ctx.pad = qw_t, quantizers, comm, fuse_wgrad, pad
         ctx.x_local_shape, ctx.x_dtype = x.shape, x.dtype
         rows_total = y.shape[0]
-        return y.reshape(*((rows_total // x2d.shape[0] * x.shape[0],) + tuple(x.shape[1:-1])), y.shape[-1])
+        return y.reshape(*((rows_total * x.shape[0] // x2d.shape[0],) + tuple(x.shape[1:-1])), y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         (weight,) = ctx.saved_tensors
-        cfg, group, pad = ctx.cfg, ctx.cfg.tp_group, ctx.pad
+        comm, group, pad = ctx.comm, ctx.comm.tp_group, ctx.pad
         need_dx, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_dw = ctx.x_t is not None or ctx.x_t_local is not None
         dy2d = dy.reshape(-1, dy.shape[-1])
         if dy2d.dtype not in BLOCK_DTYPES:
             dy2d = dy2d.float()
+        # the bias gradient: this rank's rows (row parallel adds the bias after the reduction)
+        db = dy2d.sum(0, dtype=torch.float32).to(weight.dtype) if need_db else None
+        dy2d = comm.gather_output_grad(dy2d)
         finish = None
         if need_dw and ctx.x_t_local is not None:  # re-gather x^T's FP8 shards behind the dgrad GEMM
             finish = all_gather_block_cols(ctx.x_t_local, group, async_op=True)
@@ -127,38 +132,39 @@ class _TPBlockLinear(torch.autograd.Function):
             dx_total = block_gemm(qdy, ctx.w_t, ctx.x_dtype)
             if pad:
                 dx_total = dx_total[:dx_total.shape[0] - pad].contiguous()
-            dx, dgrad_work = start_dgrad_comm(dx_total, cfg)
+            dx, dgrad_work = comm.start_dgrad_comm(dx_total)
         dw = None
         if need_dw:  # wgrad: dw = dy.T @ x_total, overlapped with the dgrad communication
             x_t = ctx.x_t if finish is None else finish()
-            if cfg.fuse_wgrad:
+            if ctx.fuse_wgrad:
                 main_grad_of(weight).add_(block_gemm(qdy_t, x_t, torch.float32))
             else:
                 dw = block_gemm(qdy_t, x_t, weight.dtype)
-        db = dy2d.sum(0, dtype=torch.float32).to(weight.dtype) if need_db else None
         if dgrad_work is not None:
             dgrad_work.wait()
         if dx is not None:
             dx = dx.reshape(ctx.x_local_shape)
         ctx.x_t = ctx.x_t_local = ctx.w_t = None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
-def tp_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: TPLinearConfig,
-                    quantizers: LinearQuantizers) -> torch.Tensor:
-    """:func:`fp8engine.parallel.linear_ops.tp_linear` with block-scaled FP8 GEMMs (module docstring).
+def tp_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], comm: TPLinearComm,
+                    quantizers: LinearQuantizers, fuse_wgrad: bool = False) -> torch.Tensor:
+    """The tensor-parallel linear with block-scaled FP8 GEMMs (module docstring).
 
     Args:
-        x: ``[s_local, *, K]`` bf16 / fp32 (``s_local = s/tp`` when ``cfg.gather_input``).
-        weight: this rank's ``[N_local, K]`` shard, bf16 / fp32; ``N_local`` and ``K`` multiples of 128 (the layer
-            checks them at its first forward). bias: ``[N_local]`` or None.
-        cfg: a :class:`TPLinearConfig`. quantizers: the layer's :class:`LinearQuantizers` of ``BlockQuantizer``.
+        x: ``[s_local, *, K]`` bf16 / fp32 (``s_local = s/tp`` when ``comm.gathers_input``).
+        weight: this rank's shard, bf16 / fp32 (``[N/tp, K]`` column, ``[N, K/tp]`` row parallel); its dims
+            multiples of 128 (the layer checks them at its first forward). bias: ``[N_local]`` or None.
+        comm: the layer's :class:`TPLinearComm`. quantizers: its :class:`LinearQuantizers` of ``BlockQuantizer``.
+        fuse_wgrad: accumulate wgrad (fp32) into ``weight.main_grad``; ``weight.grad`` stays None.
     Returns:
-        ``[s, *, N_local]`` in x's dtype (``s = tp * s_local`` when gathering).
+        column: ``[s, *, N/tp]`` (``s = tp * s_local`` when gathering); row: ``[s, *, N]`` (``[s/tp, *, N]``
+        with sequence parallelism); in x's dtype.
     Raises:
         TypeError: x or weight neither bf16 nor fp32.
     """
     if x.dtype not in BLOCK_DTYPES or weight.dtype not in BLOCK_DTYPES:
         raise TypeError(f"Float8BlockScaling: x is {x.dtype} and the weight {weight.dtype}; the block-scaled GEMMs "
                         "take bfloat16 or float32")
-    return _TPBlockLinear.apply(x, weight, bias, quantizers, cfg)
+    return _TPBlockLinear.apply(x, weight, bias, quantizers, comm, fuse_wgrad)

@@ -8,6 +8,11 @@ region's single collective. Under ``Float8BlockScaling`` the GEMMs are block-sca
 (:func:`fp8engine.parallel.block_linear_ops.tp_block_linear`, scales just in time, nothing recorded); the per-rank
 shard dims must then be multiples of 128.
 
+Both run the package's one linear op, :func:`fp8engine.ops.linear.linear` (FP8 inside autocast, plain matmuls
+outside), with their :class:`~fp8engine.parallel.linear_ops.TPLinearComm`: the sequence-parallel all-gather of the
+column layer's input (FP8 bytes under FP8), its dgrad all-reduce / reduce-scatter overlapped with the wgrad GEMM,
+and the row layer's output reduction happen inside that op, as in ``LayerNormLinear`` / ``LayerNormMLP``.
+
 Initialisation: the full ``[N, K]`` weight (and ``[N]`` bias) is drawn exactly as ``fp8engine.Linear(K, N)`` would
 draw it from the current RNG state, then this rank keeps its slice, so the shards of a layer equal the slices of
 the same layer built unsharded with the same seed (Megatron's ``_initialize_affine_weight_cpu``).
@@ -26,11 +31,9 @@ from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.block_linear import check_block_dims
 from fp8engine.ops.gemm import check_gemm_dims
 from fp8engine.parallel.block_linear_ops import tp_block_linear
-from fp8engine.ops.linear import LINEAR_ROLES
-from fp8engine.parallel.linear_ops import TPLinearConfig, tp_linear
+from fp8engine.ops.linear import LINEAR_ROLES, linear
+from fp8engine.parallel.linear_ops import TPLinearComm
 from fp8engine.parallel.mappings import (gather_from_tensor_model_parallel_region,
-                                         reduce_from_tensor_model_parallel_region,
-                                         reduce_scatter_to_sequence_parallel_region,
                                          scatter_to_tensor_model_parallel_region)
 from fp8engine.ops.init import init_linear_params
 from fp8engine.parallel.utils import divide, get_group_rank, get_group_size
@@ -72,10 +75,12 @@ class _TPLinearBase(nn.Module):
         return quantizers
 
     def _tp_linear(self, x, bias, quantizers):
-        """The layer's op: block-scaled under ``Float8BlockScaling``, else :func:`tp_linear`."""
+        """The layer's op with its communication (``self._comm``): block-scaled under ``Float8BlockScaling``,
+        else :func:`fp8engine.ops.linear.linear` (FP8 with ``quantizers``, plain matmuls without)."""
+        fuse = self.gradient_accumulation_fusion
         if quantizers is not None and quantizers.input.is_block:
-            return tp_block_linear(x, self.weight, bias, self._cfg, quantizers)
-        return tp_linear(x, self.weight, bias, self._cfg, quantizers=quantizers)
+            return tp_block_linear(x, self.weight, bias, self._comm, quantizers, fuse)
+        return linear(x, self.weight, bias, quantizers, comm=self._comm, fuse_wgrad=fuse)
 
 
 class ColumnParallelLinear(_TPLinearBase):
@@ -121,9 +126,7 @@ class ColumnParallelLinear(_TPLinearBase):
         for p in (self.weight, self.bias):
             if p is not None:  # Megatron's markers, read by checkpoint/optimizer code
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
-        self._cfg = TPLinearConfig(tp_group, gather_input=sequence_parallel,
-                                   dgrad_comm="reduce_scatter" if sequence_parallel else "all_reduce",
-                                   fuse_wgrad=gradient_accumulation_fusion, fp8_all_gather=fp8_all_gather)
+        self._comm = TPLinearComm(tp_group, "column", sequence_parallel, fp8_all_gather)
 
     def forward(self, input_: torch.Tensor):
         """Returns ``(output, output_bias)``; see the class docstring for shapes."""
@@ -181,20 +184,15 @@ class RowParallelLinear(_TPLinearBase):
         self.bias = nn.Parameter(full_b.clone()) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
-        self._cfg = TPLinearConfig(tp_group, fuse_wgrad=gradient_accumulation_fusion)
+        self._comm = TPLinearComm(tp_group, "row", sequence_parallel)
 
     def forward(self, input_: torch.Tensor):
         """Returns ``(output, output_bias)``; see the class docstring for shapes."""
         quantizers = self._fp8_begin()
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        partial = self._tp_linear(x, None, quantizers)
-        if self.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
-        else:
-            out = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
-        if self.skip_bias_add or self.bias is None:
-            return out, (self.bias if self.skip_bias_add else None)
-        return out + self.bias.to(out.dtype), None
+        # the op sums the partial outputs over the ranks (reduce-scatter with sequence parallel), then adds the bias
+        out = self._tp_linear(x, None if self.skip_bias_add else self.bias, quantizers)
+        return out, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size} (per rank {self.input_size_per_partition}), "
