@@ -67,6 +67,10 @@ _FP8_CONTEXT: contextvars.ContextVar[Optional[FP8Context]] = contextvars.Context
 #: class attribute ``ctx = None`` is resolved through the class by some Dynamo versions).
 _COMPILE_MIRROR = threading.local()
 
+#: Dynamo of torch < 2.13 cannot build its guard on the mirrored context ("Unexpected type FP8Context", H100 with
+#: torch 2.11, 2026-11-24): there compiled code reads the ContextVar, which Dynamo runs outside the graph (a graph
+#: break around each FP8 module's set-up; the FP8 math is the same).
+MIRROR_TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 @contextlib.contextmanager
@@ -95,7 +99,7 @@ def _interned(recipe):
 
 def get_fp8_context() -> Optional[FP8Context]:
     """The active :class:`FP8Context`, or None outside an enabled FP8 region."""
-    if torch.compiler.is_compiling():
+    if MIRROR_TRACEABLE and torch.compiler.is_compiling():
         return getattr(_COMPILE_MIRROR, "ctx", None)
     return _FP8_CONTEXT.get()
 
