@@ -9,7 +9,6 @@ from fp8engine.parallel import (InferenceLayerNormColumnParallelLinear, Inferenc
                                 VocabParallelEmbedding, broadcast_data, gather_split_1d_tensor,
                                 model_parallel_manual_seed, split_tensor_along_last_dim,
                                 split_tensor_into_1d_equal_chunks, vocab_parallel_cross_entropy, RNGStatesTracker)
-from fp8engine.parallel.inference import rms_norm
 
 V, D, S, B = 64, 16, 8, 3
 
@@ -103,9 +102,9 @@ def _inference(rank, ws, g):
     with torch.no_grad():
         a, _ = col(shard(resid, 0, rank, ws))
         normed, resid_out = row(a, shard(resid, 0, rank, ws), next_norm, eps)
-        want_resid = rr(rc(rms_norm(resid, col.layer_norm_weight, eps))) + resid
+        want_resid = rr(rc(F.rms_norm(resid, (h,), col.layer_norm_weight, eps))) + resid
     torch.testing.assert_close(resid_out, shard(want_resid, 0, rank, ws), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(normed, rms_norm(want_resid, next_norm, eps), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(normed, F.rms_norm(want_resid, (h,), next_norm, eps), rtol=1e-12, atol=1e-12)
     out, _ = row(a)
     torch.testing.assert_close(out, shard(want_resid - resid, 0, rank, ws), rtol=1e-12, atol=1e-12)
 
