@@ -3,7 +3,8 @@
 #
 #   tools/gpu_check.sh OUT_DIR [tests] [train] [bench] [layer] [all]    (default: all)
 #
-# tests  the whole test suite (all of tests/, never chosen folders: the CUDA tests of the training command live there)
+# tests  the whole test suite (all of tests/, never chosen folders: the CUDA tests of the training command live there;
+#        TESTS_SHARD=1/2 then 2/2 splits it over two calls)
 # train  the training command on gpt2-124m and 1b, fp8 (graphed and eager) and bf16, a few dozen steps each
 # bench  python -m fp8engine.bench train (every precision and mode side by side, both models)
 # layer  python -m fp8engine.bench layer and linear (with torchao.float8 when it is importable)
@@ -39,10 +40,18 @@ cat "$OUT/env.txt"
 if want tests; then
   # pytest-xdist and pytest-timeout when installed: the suite spread over 8 workers, no test hangs the check.
   extra=()
-  # ~10 min on one H100 with 8 workers (16 CPU cores there): give the phase a call of its own; PYTEST_WORKERS overrides
+  # ~10 min on one H100 with 8 workers (16 CPU cores there), at the edge of one device call: TESTS_SHARD=i/n runs
+  # every n-th test file from the i-th (shards 1/2 and 2/2 in two calls cover all of tests/). -v names each test as
+  # it finishes, so a call stopped at its time limit still says which tests failed (-q printed only F's).
   python3 -c "import xdist" 2>/dev/null && extra+=(-n "${PYTEST_WORKERS:-8}")
   python3 -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 300)
-  phase tests python3 -m pytest -q --maxfail=15 -p no:cacheprovider --durations=25 "${extra[@]}" tests
+  targets=(tests)
+  if [ -n "${TESTS_SHARD:-}" ]; then
+    IFS=/ read -r i n <<< "$TESTS_SHARD"
+    mapfile -t targets < <(find tests -name 'test_*.py' | sort | awk -v i="$i" -v n="$n" '(NR - 1) % n == i - 1')
+  fi
+  phase tests python3 -m pytest -v -rfE --maxfail=15 -p no:cacheprovider --durations=25 "${extra[@]}" "${targets[@]}"
+  grep -a "FAILED\|ERROR" "$OUT/tests.log" | grep -av "^E " | sort -u | head -40 >> "$OUT/summary.txt"
 fi
 if want train; then
   # gpt2-124m writes its run folder (metrics, checkpoint, plot); 1b only logs (its checkpoint is ~16 GB).

@@ -2,6 +2,7 @@
 step leaves every scaling buffer bit-identical, and that its op count does not grow with the model."""
 import copy
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fp8engine
 from fp8engine.fp8.state import ScalingState
 from fp8engine.models import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from _parallel_harness import run_ranks  # noqa: E402
 from fp8engine.training.guard import NonFiniteGuard, step_state_buffers
 from fp8engine.training.step import TrainStep, make_optimizer
 
@@ -155,36 +159,29 @@ def test_restore_before_snapshot_raises():
         NonFiniteGuard(_model()).restore_if_found()
 
 
-def _replica(rank, tmp):
+def _replica(rank, world_size, tmp):
     """One of two gloo data-parallel replicas (no DDP: each keeps its own gradients): rank 1's input is NaN, so
     only rank 1's loss and gradient norm are non-finite. Writes (found_inf, weights unchanged) to tmp/rank<r>.json."""
-    torch.set_num_threads(1)  # forked from a process whose OpenMP pool may be running: stay out of it
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 3)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-        guard = NonFiniteGuard(model, group=dist.group.WORLD)
-        before = copy.deepcopy(model.state_dict())
-        guard.snapshot()
-        x = torch.randn(5, 4) * (float("nan") if rank == 1 else 1.0)
-        loss = model(x).square().mean()
-        loss.backward()
-        guard.check(loss, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        guard.optimizer_step(opt)
-        guard.restore_if_found()
-        unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-        (Path(tmp) / f"rank{rank}.json").write_text(json.dumps([float(guard.found_inf), unchanged]))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    guard = NonFiniteGuard(model, group=dist.group.WORLD)
+    before = copy.deepcopy(model.state_dict())
+    guard.snapshot()
+    x = torch.randn(5, 4) * (float("nan") if rank == 1 else 1.0)
+    loss = model(x).square().mean()
+    loss.backward()
+    guard.check(loss, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    guard.optimizer_step(opt)
+    guard.restore_if_found()
+    unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps([float(guard.found_inf), unchanged]))
 
 
 def test_replicas_agree_to_skip(tmp_path):
     """A non-finite step on one data-parallel replica is skipped by both (found_inf MAX-reduced over the group):
-    rank 0, whose own loss is finite, leaves its weights too."""
-    import torch.multiprocessing as mp
-
-    # spawn, not fork: a process whose autograd engine already ran CUDA work (an earlier test in the same pytest
-    # worker on a GPU machine) cannot fork ("Unable to handle autograd's threading in combination with fork")
-    mp.start_processes(_replica, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
+    rank 0, whose own loss is finite, leaves its weights too. Ranks run by the shared multi-rank harness (spawned
+    processes, a TCP rendezvous store held by this process, a barrier before teardown: a file rendezvous here once
+    aborted a rank at exit in a full CPU run)."""
+    run_ranks(_replica, 2, str(tmp_path))
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[1.0, True], [1.0, True]]
