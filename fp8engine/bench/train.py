@@ -220,16 +220,18 @@ def main(argv=None) -> int:
         print(f"  {row['model']} {row['mode']}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s",
               flush=True)
 
-    rows, failed = _rows(models, modes, _run_mode, report, args)
+    rows, failed = _rows(models, modes, _run_mode, report, args, save=lambda done: write_json(args.json, "train", done))
     print_table(rows, ["model", "mode", "batch", "step_ms", "tokens_per_s", "vs_bf16", "model_tflops", "mfu",
                        "peak_mem_gib", "graphed", "guard", "loss_first", "loss_last", "error"])
     write_json(args.json, "train", rows)
     return 1 if failed else 0
 
 
-def _rows(models: list[str], modes: list[str], run_one, report, args: argparse.Namespace) -> tuple[list, bool]:
+def _rows(models: list[str], modes: list[str], run_one, report, args: argparse.Namespace,
+          save=None) -> tuple[list, bool]:
     """``run_one(model, mode, args) -> row`` for every model and mode, ``report(row)`` after each; a mode that raises
-    gets an ``error`` row instead (one failing mode must not hide the others' rows). Returns ``(rows, failed)``."""
+    gets an ``error`` row instead (one failing mode must not hide the others' rows). ``save(rows)`` after each mode
+    (the JSON so far: a run stopped by a time limit keeps the modes it finished). Returns ``(rows, failed)``."""
     rows, failed = [], False
     for model_name in models:
         for mode in modes:
@@ -240,9 +242,11 @@ def _rows(models: list[str], modes: list[str], run_one, report, args: argparse.N
                 rows.append({"model": model_name, "mode": mode, "error": f"{type(err).__name__}: {err}"[:200]})
                 failed = True
                 _release()
-                continue
-            report(row)
-            rows.append(row)
+            else:
+                report(row)
+                rows.append(row)
+            if save is not None:
+                save(rows)
     return rows, failed
 
 
@@ -251,7 +255,8 @@ def _main_guard_cost(models: list[str], modes: list[str], args: argparse.Namespa
         print(f"  {row['model']} {row['mode']}: {row['guard_ms']:.2f} ms/step with the guard, {row['no_guard_ms']:.2f} "
               f"without ({row['guard_cost_pct']:+.2f} %)", flush=True)
 
-    rows, failed = _rows(models, modes, _guard_cost, report, args)
+    rows, failed = _rows(models, modes, _guard_cost, report, args,
+                         save=lambda done: write_json(args.json, "train-guard-cost", done))
     print_table(rows, ["model", "mode", "batch", "guard_ms", "no_guard_ms", "guard_cost_pct", "steps_each", "error"])
     write_json(args.json, "train-guard-cost", rows)
     return 1 if failed else 0
