@@ -7,22 +7,17 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from _parallel_harness import run_ranks, shard, sqnr, world_group  # noqa: E402
+from _parallel_harness import run_ranks, shard, sqnr, tp_gpt_pair, world_group  # noqa: E402
 
 import fp8engine  # noqa: E402
-from fp8engine.models import GPT, GPTConfig  # noqa: E402
+from fp8engine.models import GPTConfig  # noqa: E402
 from fp8engine.parallel import all_reduce_sequence_parallel_grads  # noqa: E402
 
 CONFIG = GPTConfig(n_layer=2, n_head=4, hidden_size=64, ffn_hidden_size=128, max_seq_len=16, vocab_size=96)
 
 
 def _check_tp_gpt(rank, world_size, sequence_parallel, fp8):
-    torch.manual_seed(0)
-    ref = GPT(CONFIG)
-    torch.manual_seed(0)
-    tp = GPT(CONFIG, tp_group=world_group(), sequence_parallel=sequence_parallel)
-    gen = torch.Generator().manual_seed(1)
-    x, y = (torch.randint(0, CONFIG.vocab_size, (3, 16), generator=gen) for _ in range(2))
+    ref, tp, x, y = tp_gpt_pair(CONFIG, sequence_parallel)
     recipe = fp8engine.CurrentScaling()  # no warm-up needed: compares the same FP8 math sharded and not
     with fp8engine.autocast(enabled=fp8, recipe=recipe):
         ref_loss, ref_logits = ref(x, y), ref(x)

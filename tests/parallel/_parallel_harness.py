@@ -52,3 +52,18 @@ def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
 def shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous 1/size slice of ``t`` along ``dim``."""
     return t.chunk(size, dim=dim)[rank]
+
+
+def tp_gpt_pair(config, sequence_parallel: bool, batch: int = 3):
+    """``(ref, tp, x, y)``: an unsharded GPT and its tensor-parallel twin over the world group, both built from seed 0
+    (every rank draws the same master weights), and one batch of ``[batch, config.max_seq_len]`` tokens and targets."""
+    from fp8engine.models import GPT
+
+    torch.manual_seed(0)
+    ref = GPT(config)
+    torch.manual_seed(0)
+    tp = GPT(config, tp_group=world_group(), sequence_parallel=sequence_parallel)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, config.vocab_size, (batch, config.max_seq_len), generator=gen) for _ in range(2))
+    return ref, tp, x, y
+

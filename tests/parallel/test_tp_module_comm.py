@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _parallel_harness import run_ranks, shard, sqnr, world_group  # noqa: E402
+from _parallel_harness import run_ranks, shard, sqnr, tp_gpt_pair, world_group  # noqa: E402
 
 import fp8engine  # noqa: E402
 import fp8engine.parallel.utils as putils  # noqa: E402
-from fp8engine.models import GPT, GPTConfig  # noqa: E402
+from fp8engine.models import GPTConfig  # noqa: E402
 from fp8engine.modules.layernorm_mlp import LayerNormMLP  # noqa: E402
 from fp8engine.modules.transformer import TransformerLayer  # noqa: E402
 from fp8engine.parallel import all_reduce_sequence_parallel_grads  # noqa: E402
@@ -125,12 +125,7 @@ CONFIG = GPTConfig(n_layer=2, n_head=4, hidden_size=64, ffn_hidden_size=128, max
 
 
 def _gpt_worker(rank, ws):
-    torch.manual_seed(0)
-    ref = GPT(CONFIG)
-    torch.manual_seed(0)
-    tp = GPT(CONFIG, tp_group=world_group(), sequence_parallel=True)
-    gen = torch.Generator().manual_seed(1)
-    x, y = (torch.randint(0, CONFIG.vocab_size, (3, 16), generator=gen) for _ in range(2))
+    ref, tp, x, y = tp_gpt_pair(CONFIG, sequence_parallel=True)
     recipe = fp8engine.CurrentScaling()
     with fp8engine.autocast(recipe=recipe):
         ref_loss = ref(x, y)
