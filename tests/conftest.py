@@ -22,6 +22,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # before the first CPU kernel so the in-process tests and the subprocesses they start use the AVX2 kernels.
 prefer_avx2_cpu_kernels()
 
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """40 kB of varied text (drawn from the standard-library corpus) for the training command's ``--data``."""
+    from fp8engine.training.data import stdlib_corpus
+
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(stdlib_corpus(max_bytes=40_000)[0])
+    return path
+
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -1,40 +1,25 @@
 """The training command: data and batches, LR schedule, a learning run, exact resume, bad-input exits."""
 import os
 import pickle
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from fp8engine.train import lr_at, main
-from fp8engine.training.data import batch_seed, get_batch, load_data, stdlib_corpus
+from fp8engine.training.data import batch_seed, get_batch, load_data
 from fp8engine.training.metrics import read_metrics
+from tests._train_cli import REPO, run_torchrun, run_train
 
-REPO = Path(__file__).resolve().parents[1]
 # Small and quick: the tiny model's shape at a short context and batch.
 QUICK = ["--batch-size", "4", "--seq-len", "32", "--eval-iters", "2", "--sample-tokens", "0"]
 # Multi-process runs here are gloo ranks on the CPU (a one-GPU machine has no cuda:1 for rank 1).
 GLOO = ["--device", "cpu"]
 
 
-def _cli(*args, cwd=None):
-    """Run the command in a fresh interpreter: (returncode, stdout, stderr)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "fp8engine.train", *map(str, args)], cwd=cwd or REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout, proc.stderr
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    """40 kB of varied text (drawn from the standard-library corpus)."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(stdlib_corpus(max_bytes=40_000)[0])
-    return path
+_cli = run_train
 
 
 # ----------------------------------------------------------------------------------------------- data, schedule
@@ -212,15 +197,8 @@ def test_bad_input_exits_2_with_one_line(bad_runs, case):
 # --------------------------------------------------------------------------------------------- multi-process
 
 def _torchrun(nproc, *args):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    with socket.socket() as sock:  # a free port for the rendezvous (torchrun's port 0 is not portable)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(port),
-           "-m", "fp8engine.train", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, _, stderr = run_torchrun(nproc, *args, timeout=300)
+    assert rc == 0, stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -243,14 +221,8 @@ def test_tensor_and_data_parallel_runs_match_one_process(tmp_path, text_file):
 
 def _torchrun_failing(nproc, *args):
     """Like :func:`_torchrun` for a launch that must fail: (returncode, stderr)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), "-m", "fp8engine.train", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stderr
+    rc, _, stderr = run_torchrun(nproc, *args, timeout=300)
+    return rc, stderr
 
 
 @pytest.mark.slow

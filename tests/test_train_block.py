@@ -2,10 +2,6 @@
 is labelled, a sample is generated), stop-and-resume is exact, and models whose dims are not multiples of 128 are
 refused with exit status 2 and one line before anything is written."""
 import argparse
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,26 +10,14 @@ from fp8engine.models import GPT_CONFIGS
 from fp8engine.train import main
 from fp8engine.training.flags import check_fp8_dims
 from fp8engine.training import UsageError
-from fp8engine.training.data import stdlib_corpus
 from fp8engine.training.metrics import read_metrics
+from tests._train_cli import run_train
 
-REPO = Path(__file__).resolve().parents[1]
 # The tiny model (128 wide: every GEMM dim a multiple of 128) at a short context: 4 x 32 = 128 tokens a batch.
 QUICK = ["--batch-size", "4", "--seq-len", "32", "--eval-iters", "2", "--sample-tokens", "0"]
 
 
-def _cli(*args):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "fp8engine.train", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout, proc.stderr
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(stdlib_corpus(max_bytes=40_000)[0])
-    return path
+_cli = run_train
 
 
 def test_block_run_learns(tmp_path):

@@ -5,11 +5,6 @@ Inductor's fused kernels round a few values an ulp apart from ATen's, which FP8 
 ulp (measured and explained in ``tests/compile/test_compile_inductor.py``), so the losses agree to an ulp at the
 first step and to the bound found there after it.
 """
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +12,8 @@ import pytest
 from fp8engine.fp8.autocast import MIRROR_TRACEABLE
 from fp8engine.train import main
 from fp8engine.training.metrics import read_metrics
+from tests._train_cli import run_torchrun
 
-REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--steps", "6", "--eval-interval", "3", "--eval-iters", "1", "--batch-size", "4", "--seq-len", "32",
         "--sample-tokens", "0", "--n-layer", "1", "--dropout", "0", "--device", "cpu"]
 needs_traceable_context = pytest.mark.skipif(not MIRROR_TRACEABLE, reason="compiled FP8 needs torch >= 2.13 "
@@ -61,14 +56,8 @@ def test_compile_fp8_refused_where_dynamo_cannot_trace_the_context(tmp_path, cap
 
 
 def _torchrun(nproc, *args):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    with socket.socket() as sock:  # a free port for the rendezvous (torchrun's port 0 is not portable)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), "-m", "fp8engine.train", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, _, stderr = run_torchrun(nproc, *args)
+    assert rc == 0, stderr[-3000:]
 
 
 @needs_traceable_context

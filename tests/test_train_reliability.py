@@ -5,21 +5,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from fp8engine.training.checkpoint import load_latest, save_checkpoint
 from fp8engine.training.guard import NonFiniteGuard
-from fp8engine.training.data import stdlib_corpus
 from fp8engine.training.metrics import read_metrics
+from tests._train_cli import REPO, free_port, run_train, train_env
 
-REPO = Path(__file__).resolve().parents[1]
 QUICK = ["--batch-size", "4", "--seq-len", "32", "--eval-iters", "1", "--sample-tokens", "0", "--device", "cpu"]
 # Peak lr 1e30 with no warm-up: step 1 is finite and moves the weights to ~1e30, so the forward of step 2
 # overflows (inf/NaN loss): a deterministic non-finite step without touching the code under test.
@@ -27,24 +24,15 @@ DIVERGE = ["--lr", "1e30", "--warmup-steps", "0", "--weight-decay", "0"]
 
 
 def _env():
-    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    return train_env(one_thread=True)
 
 
 def _cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "fp8engine.train", *map(str, args)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout, proc.stderr
+    return run_train(*args, one_thread=True)
 
 
 def _error_lines(stderr):
     return [line for line in stderr.splitlines() if line.startswith("fp8engine.train: error:")]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(stdlib_corpus(max_bytes=40_000)[0])
-    return path
 
 
 def _load(path):
@@ -285,9 +273,7 @@ def test_unwritable_out_exits_2(tmp_path):
 def test_dead_rank_ends_the_other_within_timeout(tmp_path, text_file):
     """Two gloo ranks launched by hand (torchrun would kill the survivor itself): rank 1 is SIGKILLed mid-run;
     rank 0 exits non-zero with one error line and no traceback, within --dist-timeout plus start-up slack."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     out = tmp_path / "run"
     timeout = 15
     cmd = [sys.executable, "-m", "fp8engine.train", "--data", str(text_file), "--precision", "fp32", "--steps",
@@ -324,9 +310,7 @@ def test_dead_rank_ends_the_other_within_timeout(tmp_path, text_file):
 def _launch_ranks(nproc, *args):
     """Start ``nproc`` gloo ranks of the command by hand (torchrun would stop the others at the first exit and
     merge their output): a list of Popen objects, stdout/stderr piped per rank."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "fp8engine.train", *map(str, args)]
     world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port)}
