@@ -21,6 +21,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # torch's AVX-512 CPU kernels run the emulated FP8 GEMM ~100x slower than its AVX2 ones (fp8engine/_cpu.py); set
 # before the first CPU kernel so the in-process tests and the subprocesses they start use the AVX2 kernels.
 prefer_avx2_cpu_kernels()
+# One Inductor cache per pytest-xdist worker, so that workers compiling the same graphs at once never share files:
+# two workers compiling CPU graphs at once aborted ("Fatal Python error: Aborted"; 6 workers on the 16-core GPU
+# machine, torch 2.11), while the same tests passed one process at a time.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{os.environ['PYTEST_XDIST_WORKER']}"))
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):

@@ -8,9 +8,8 @@ classes, target included). Gradient w.r.t. the logits: ``p - (1 - e) * onehot(ta
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from fp8engine.parallel.utils import get_group_rank, get_group_size
+from fp8engine.parallel.utils import all_reduce, get_group_rank, get_group_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -24,7 +23,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x = logits.float()
         logits_max = x.amax(dim=-1)
         if size > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            logits_max = all_reduce(logits_max, group, "max")[0]
         x = x - logits_max.unsqueeze(-1)
         start = rank * part
         outside = (target < start) | (target >= start + part)
@@ -34,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # One SUM all-reduce for the target logit, the softmax denominator and (for smoothing) the logit sum.
         stats = torch.stack([predicted, exp.sum(dim=-1), x.sum(dim=-1)])
         if size > 1:
-            dist.all_reduce(stats, group=group)
+            stats = all_reduce(stats, group)[0]
         predicted, sum_exp, sum_logits = stats
         log_sum_exp = sum_exp.log()
         loss = log_sum_exp - predicted

@@ -22,20 +22,10 @@ import torch.distributed as dist
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import Quantizer
-from fp8engine.parallel.utils import all_gather_into, get_group_size
+from fp8engine.parallel.utils import all_gather_dim0, all_reduce, get_group_size
 
 __all__ = ["cast_and_all_gather_fp8", "all_gather_fp8_bytes", "all_gather_dim0", "sp_all_gather_bytes",
            "measure_sp_all_gather"]
-
-
-def all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
-    """All-gather ``[n, ...]`` shards into ``[size * n, ...]`` (rank order). Returns ``(out, work)``; ``work`` is
-    None unless ``async_op``."""
-    size = get_group_size(group)
-    x = x.contiguous()
-    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-    work = all_gather_into(out, x, group, async_op=async_op)
-    return out, (work if async_op else None)
 
 
 def all_gather_fp8_bytes(local: Float8Tensor, group, async_op: bool = False):
@@ -67,15 +57,14 @@ def cast_and_all_gather_fp8(x: torch.Tensor, quantizer: Quantizer, group) -> tup
         amax = torch.zeros(1, dtype=torch.float32, device=x.device) if quantizer.record_amax else None
         local = Quantizer(quantizer.fp8_dtype, "delayed", quantizer.scale, amax, stats=quantizer.stats).quantize(x)
         total, work = all_gather_fp8_bytes(local, group, async_op=True)
-        amax_work = dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group, async_op=True) \
-            if amax is not None else None
+        amax, amax_work = all_reduce(amax, group, "max", async_op=True) if amax is not None else (None, None)
         work.wait()
         if amax_work is not None:
             amax_work.wait()
             torch.maximum(quantizer.amax, amax, out=quantizer.amax)
         return local, total
     amax = x.detach().abs().amax().float().reshape(1)
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # the scale must be known before the cast
+    amax = all_reduce(amax, group, "max")[0]  # the scale must be known before the cast
     local = quantizer.quantize(x, amax=amax)
     total, _ = all_gather_fp8_bytes(local, group)
     return local, total

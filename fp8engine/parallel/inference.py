@@ -18,7 +18,7 @@ from torch import nn
 from fp8engine.ops.norm_linear import norm
 from fp8engine.parallel.fp8_comm import all_gather_dim0
 from fp8engine.parallel.layers import init_full_linear
-from fp8engine.parallel.utils import divide, get_group_rank, get_group_size, reduce_scatter_into
+from fp8engine.parallel.utils import divide, get_group_rank, get_group_size, reduce_scatter_dim0
 
 __all__ = ["rms_norm", "reduce_scatter_residual_rmsnorm_all_gather", "InferenceLayerNormColumnParallelLinear",
            "InferenceRowParallelLinear"]
@@ -34,9 +34,7 @@ def _reduce_scatter_dim0(partial: torch.Tensor, group) -> torch.Tensor:
     size = get_group_size(group)
     if size == 1:
         return partial
-    out = partial.new_empty((divide(partial.shape[0], size, "tokens"),) + tuple(partial.shape[1:]))
-    reduce_scatter_into(out, partial, group)
-    return out
+    return reduce_scatter_dim0(partial, group)[0]
 
 
 @torch.no_grad()

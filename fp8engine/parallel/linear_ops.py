@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import Quantizer
 from fp8engine.parallel.fp8_comm import all_gather_dim0, all_gather_fp8_bytes, cast_and_all_gather_fp8
-from fp8engine.parallel.utils import get_group_size, reduce_scatter_into
+from fp8engine.parallel.utils import all_reduce, get_group_size, reduce_scatter_dim0
 
 __all__ = ["TPLinearComm", "PARALLEL_MODES"]
 
@@ -100,9 +99,8 @@ class TPLinearComm:
         if self.parallel_mode == "row" or self.size == 1:
             return dx, None
         if not self.sequence_parallel:
-            return dx, dist.all_reduce(dx, group=self.tp_group, async_op=True)
-        out = dx.new_empty((dx.shape[0] // self.size, dx.shape[1]))
-        return out, reduce_scatter_into(out, dx, self.tp_group, async_op=True)
+            return all_reduce(dx, self.tp_group, async_op=True)
+        return reduce_scatter_dim0(dx, self.tp_group, async_op=True)
 
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
         """Row parallel: the SUM over the group of the partial ``y [M, N]`` (a fresh GEMM output, all-reduced in
@@ -110,11 +108,8 @@ class TPLinearComm:
         if self.parallel_mode != "row" or self.size == 1:
             return y
         if self.sequence_parallel:
-            out = y.new_empty((y.shape[0] // self.size, y.shape[1]))
-            reduce_scatter_into(out, y, self.tp_group)
-            return out
-        dist.all_reduce(y, group=self.tp_group)
-        return y
+            return reduce_scatter_dim0(y, self.tp_group)[0]
+        return all_reduce(y, self.tp_group)[0]
 
     def gather_output_grad(self, dy: torch.Tensor) -> torch.Tensor:
         """Row parallel with sequence parallelism: all-gather ``dy [M / tp, N]`` to ``[M, N]``; else ``dy``."""

@@ -26,9 +26,9 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
-from fp8engine.parallel.utils import all_gather_into, divide, get_group_rank, get_group_size, reduce_scatter_into
+from fp8engine.parallel.utils import (all_gather_dim0, all_reduce, all_to_all_single, divide, get_group_rank,
+                                      get_group_size, reduce_scatter_dim0)
 
 __all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
            "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
@@ -42,12 +42,17 @@ __all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_par
 # Plain (non-autograd) collectives. Each returns a new tensor; inputs are never modified in place (the same
 # gradient tensor may feed several autograd branches).
 
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    # ``t`` itself when already contiguous, without calling ``.contiguous()``: that no-op alias, returned from an
+    # autograd function's forward, gave the input a zero gradient under the torch.compile of torch 2.11 (Dynamo;
+    # found on 2 gloo ranks with scatter_to_sequence_parallel_region and the gather along the last dim)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
     if get_group_size(group) == 1:
         return x
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
-    return out
+    return all_reduce(x.clone(memory_format=torch.contiguous_format), group)[0]
 
 
 def _split_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -55,7 +60,7 @@ def _split_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     part = divide(x.shape[-1], size, "last dim")
-    return x.narrow(-1, get_group_rank(group) * part, part).contiguous()
+    return _contiguous(x.narrow(-1, get_group_rank(group) * part, part))
 
 
 def _split_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -63,21 +68,18 @@ def _split_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     part = divide(x.shape[0], size, "first dim")
-    return x.narrow(0, get_group_rank(group) * part, part).contiguous()
+    return _contiguous(x.narrow(0, get_group_rank(group) * part, part))
 
 
 def _gather_along_first_dim(x: torch.Tensor, group, output_split_sizes: Optional[List[int]] = None) -> torch.Tensor:
     size = get_group_size(group)
     if size == 1:
         return x
-    x = x.contiguous()
     if output_split_sizes is None:
-        out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        all_gather_into(out, x, group)
-        return out
-    parts = [torch.empty((n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device) for n in output_split_sizes]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=0)
+        return all_gather_dim0(x, group)[0]
+    # uneven shards: an all-to-all that sends the whole shard to every rank (gloo has no uneven all-gather)
+    return all_to_all_single(x.repeat((size,) + (1,) * (x.dim() - 1)), group, list(output_split_sizes),
+                             [x.shape[0]] * size)
 
 
 def _gather_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -85,7 +87,7 @@ def _gather_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     stacked = _gather_along_first_dim(x, group)  # [size * d0, ..., d/size], rank-major
-    return torch.cat(stacked.chunk(size, dim=0), dim=-1).contiguous()
+    return torch.cat(stacked.chunk(size, dim=0), dim=-1)  # contiguous (see _contiguous)
 
 
 def _reduce_scatter_along_first_dim(x: torch.Tensor, group,
@@ -93,16 +95,13 @@ def _reduce_scatter_along_first_dim(x: torch.Tensor, group,
     size = get_group_size(group)
     if size == 1:
         return x
-    x = x.contiguous()
     if input_split_sizes is None:
-        out = torch.empty((divide(x.shape[0], size, "first dim"),) + tuple(x.shape[1:]), dtype=x.dtype,
-                          device=x.device)
-        reduce_scatter_into(out, x, group)
-        return out
+        return reduce_scatter_dim0(x, group)[0]
     rank = get_group_rank(group)
-    out = torch.empty((input_split_sizes[rank],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter(out, list(x.split(input_split_sizes, dim=0)), group=group)
-    return out
+    # uneven slices: an all-to-all of the slices, then the sum of what came back, in rank order (gloo has no
+    # reduce-scatter)
+    parts = all_to_all_single(x, group, [input_split_sizes[rank]] * size, list(input_split_sizes))
+    return parts.reshape((size, input_split_sizes[rank]) + tuple(x.shape[1:])).sum(0)
 
 
 def _reduce_scatter_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -117,14 +116,7 @@ def _reduce_scatter_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _all_to_all(x: torch.Tensor, group, output_split_sizes=None, input_split_sizes=None) -> torch.Tensor:
     if get_group_size(group) == 1:
         return x
-    x = x.contiguous()
-    if output_split_sizes is None:
-        out = torch.empty_like(x)
-    else:
-        out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
-                           group=group)
-    return out
+    return all_to_all_single(x, group, output_split_sizes, input_split_sizes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,7 +189,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         if ctx.split_sizes is not None and get_group_size(ctx.group) > 1:
             rank = get_group_rank(ctx.group)
             start = sum(ctx.split_sizes[:rank])
-            return dy.narrow(0, start, ctx.split_sizes[rank]).contiguous(), None, None, None
+            return _contiguous(dy.narrow(0, start, ctx.split_sizes[rank])), None, None, None
         return _split_along_first_dim(dy, ctx.group), None, None, None
 
 

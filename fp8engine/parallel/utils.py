@@ -9,9 +9,11 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 __all__ = ["get_group_size", "get_group_rank", "divide", "ensure_divisibility", "split_tensor_along_last_dim",
-           "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor", "all_gather_into", "reduce_scatter_into"]
+           "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor", "all_reduce", "all_gather_dim0",
+           "reduce_scatter_dim0", "all_to_all_single"]
 
 # torch 2.13 renamed the "into tensor" collectives (the old names warn); torch 2.11 on the GPUs has only the old.
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -70,18 +72,82 @@ def gather_split_1d_tensor(tensor: torch.Tensor, group) -> torch.Tensor:
     flat = tensor.reshape(-1)
     if size == 1:
         return flat.clone()
-    out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
-    _all_gather_base(out, flat.contiguous(), group=group)
+    return all_gather_dim0(flat, group)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The collectives of the model's forward and backward. Each returns a new tensor (or the input, reduced in place,
+# where the docstring says so) and, with ``async_op``, a handle whose ``wait()`` makes it valid.
+#
+# Under ``torch.compile`` they issue the functional collectives (``torch.distributed._functional_collectives``, what
+# DTensor traces to): the result is a new tensor that Dynamo and Inductor track. The in-place ``torch.distributed``
+# calls traced by the Dynamo of torch 2.11 lost the gradient of what flowed through them: inside an autograd function,
+# ``clone`` + ``dist.all_reduce`` gave a compiled vocab-parallel embedding a zero weight gradient (found on 2 gloo
+# ranks, torch 2.11.0, compiled vs eager; torch 2.13 traced it correctly). Eager mode keeps the in-place calls into
+# preallocated outputs (no extra copy, async handles for overlap).
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class _Done:
+    """The handle of a functional collective: its result waits for the data on first use."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _check_op(op: str) -> None:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduction op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+
+
+def all_reduce(x: torch.Tensor, group, op: str = "sum", async_op: bool = False):
+    """All-reduce ``x`` (any shape) over ``group`` with ``op`` (``"sum"`` or ``"max"``).
+
+    Eager mode reduces ``x`` in place (it must be contiguous; pass a copy to keep the input); under
+    ``torch.compile`` the result is a new tensor. Use the returned tensor in both cases. Returns ``(result, work)``;
+    ``work`` is None unless ``async_op`` (then ``result`` is valid after ``work.wait()``). Raises ValueError for
+    another ``op``."""
+    _check_op(op)
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x, op, group), (_Done() if async_op else None)
+    work = dist.all_reduce(x, op=_REDUCE_OPS[op], group=group, async_op=async_op)
+    return x, work
+
+
+def all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
+    """All-gather ``[n, ...]`` shards into ``[size * n, ...]`` (rank order) as a new tensor. Returns
+    ``(out, work)``; ``work`` is None unless ``async_op`` (then ``out`` is valid after ``work.wait()``)."""
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(x, 0, group), (_Done() if async_op else None)
+    out = x.new_empty((get_group_size(group) * x.shape[0],) + tuple(x.shape[1:]))
+    work = _all_gather_base(out, x, group=group, async_op=async_op)
+    return out, (work if async_op else None)
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
+    """SUM-reduce ``[size * n, ...]`` over ``group`` and keep this rank's ``[n, ...]`` slice of dim 0, as a new
+    tensor. Returns ``(out, work)`` as :func:`all_gather_dim0`. Raises ValueError when ``size`` does not divide
+    dim 0."""
+    x = x.contiguous()
+    rows = divide(x.shape[0], get_group_size(group), "first dim")
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group), (_Done() if async_op else None)
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    work = _reduce_scatter_base(out, x, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return out, (work if async_op else None)
+
+
+def all_to_all_single(x: torch.Tensor, group, output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None) -> torch.Tensor:
+    """``torch.distributed.all_to_all_single`` along dim 0 into a new tensor (equal splits when the sizes are None;
+    the output has ``sum(output_split_sizes)`` rows)."""
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.all_to_all_single(x, output_split_sizes, input_split_sizes, group)
+    rows = x.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                           group=group)
     return out
-
-
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    """``all_gather_into_tensor`` along dim 0 (``out`` is ``[size * n, ...]``); returns the work handle when
-    ``async_op``."""
-    return _all_gather_base(out, inp.contiguous(), group=group, async_op=async_op)
-
-
-def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False,
-                        op: Optional[dist.ReduceOp] = None):
-    """SUM ``reduce_scatter_tensor`` along dim 0 (``inp`` is ``[size * n, ...]``, ``out`` ``[n, ...]``)."""
-    return _reduce_scatter_base(out, inp.contiguous(), op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
