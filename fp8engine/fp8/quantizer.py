@@ -234,6 +234,7 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
             state.compiled_backward = True
             if state.amax_history.shape[1] != recipe.amax_history_len:
                 state.resize_history(recipe.amax_history_len)
+                state.history_from_graph = True
             ctx.register(state)
             return _build(state, recipe, ctx.record_amax, fwd_scale=frozen_scale(state.scale))
         return _build(state, recipe, ctx.record_amax)

@@ -41,6 +41,10 @@ class ScalingState(nn.Module):
         #: set (while tracing) when a torch.compile-d backward records into ``grad_amax``: only such states pay the
         #: fold before each update (fp8engine.fp8.library.fold_grad_amax)
         self.compiled_backward = False
+        #: set (while tracing) when a torch.compile-d forward re-sized the history: the new buffer is then an output
+        #: of the compiled graph, memory that ``mode="reduce-overhead"`` (CUDA graphs) reuses on its next replay;
+        #: the next update copies it out first (:func:`reduce_and_update`)
+        self.history_from_graph = False
         self._fp8_max_cache: dict = {}
         #: (recipe, record_amax) -> (scale, amax_history, LinearQuantizers per GEMM); see fp8.quantizer
         self._quantizers: dict = {}
@@ -118,6 +122,10 @@ def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, am
         return
     from fp8engine.fp8.library import fold_grad_amax
 
+    for st in states:
+        if st.history_from_graph:  # eager memory from now on (the flag's comment, __init__)
+            st.amax_history = st.amax_history.clone()
+            st.history_from_graph = False
     fold_grad_amax(states)
     if recipe.reduce_amax and amax_group is not None:
         from fp8engine.fp8.amax import all_reduce_current_amax
