@@ -9,15 +9,13 @@ first step and to the bound found there after it.
 import numpy as np
 import pytest
 
-from fp8engine.fp8.autocast import MIRROR_TRACEABLE
 from fp8engine.train import main
 from fp8engine.training.metrics import read_metrics
 from tests._train_cli import run_torchrun
 
 ARGS = ["--steps", "6", "--eval-interval", "3", "--eval-iters", "1", "--batch-size", "4", "--seq-len", "32",
         "--sample-tokens", "0", "--n-layer", "1", "--dropout", "0", "--device", "cpu"]
-needs_traceable_context = pytest.mark.skipif(not MIRROR_TRACEABLE, reason="compiled FP8 needs torch >= 2.13 "
-                                             "(fp8engine.fp8.autocast.MIRROR_TRACEABLE)")
+
 
 
 def _losses(out):
@@ -33,7 +31,6 @@ def _assert_close_to_eager(eager, compiled):
     np.testing.assert_allclose(v1, v0, rtol=5e-3)
 
 
-@needs_traceable_context
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_compile_fp8_close_to_eager(tmp_path, recipe):
     """Six steps, two evaluations: the compiled run logs the eager run's losses (bound above)."""
@@ -43,24 +40,11 @@ def test_compile_fp8_close_to_eager(tmp_path, recipe):
     _assert_close_to_eager(tmp_path / "eager", tmp_path / "compiled")
 
 
-def test_compile_fp8_refused_where_dynamo_cannot_trace_the_context(tmp_path, capsys, monkeypatch):
-    """On torch < 2.13 (``MIRROR_TRACEABLE`` False): a one-line usage error (exit 2) naming the fix, nothing written."""
-    import sys
-
-    # the module (its package re-exports the autocast function under the same name)
-    monkeypatch.setattr(sys.modules["fp8engine.fp8.autocast"], "MIRROR_TRACEABLE", False)
-    assert main(ARGS + ["--compile", "--precision", "fp8", "--out", str(tmp_path / "r")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--compile with --precision fp8 needs torch >= 2.13" in err[0], err
-    assert not (tmp_path / "r").exists()
-
-
 def _torchrun(nproc, *args):
     rc, _, stderr = run_torchrun(nproc, *args)
     assert rc == 0, stderr[-3000:]
 
 
-@needs_traceable_context
 @pytest.mark.slow  # two gloo ranks compiling on 2 cores: about 70 s
 def test_compile_fp8_tensor_parallel_close_to_eager(tmp_path):
     """tp = 2 (gloo, sequence parallel, delayed scaling): the compiled run logs the eager run's losses."""

@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from fp8engine.fp8.autocast import MIRROR_TRACEABLE
 from fp8engine.train import main
 from fp8engine.training.step import CUDAGraphStep, capture_problem, set_lr
 
@@ -100,7 +99,6 @@ def test_graphed_nonfinite_steps_change_nothing(tmp_path):
 
 
 @cuda
-@pytest.mark.skipif(not MIRROR_TRACEABLE, reason="compiled FP8 needs torch >= 2.13 (fp8engine.fp8.autocast)")
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_compiled_fp8_run_logs_close_to_eager(tmp_path, recipe):
     """``--compile`` (Inductor, bf16 autocast around the FP8 region) against eager, dropout off (Inductor draws its

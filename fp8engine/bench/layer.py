@@ -31,7 +31,6 @@ from fp8engine._cli import CommandParser
 from fp8engine.bench.common import (env_info, fwd_bwd_step, peak_memory_gib, print_table, time_back_to_back, time_fn,
                                     write_json)
 from fp8engine.bench.torchao_ref import torchao_available, torchao_float8
-from fp8engine.fp8.autocast import MIRROR_TRACEABLE
 
 
 class PlainBlock(nn.Module):
@@ -128,12 +127,9 @@ def run_single(args) -> list[dict]:
                   ("torchao.float8 tensorwise compile", torchao_float8(plain, compile=True), None)]
     if dev == "cuda" and not args.no_compile:
         cases.append(("plain PyTorch block bf16 compile", torch.compile(plain), None))
-        if MIRROR_TRACEABLE:  # compiled FP8 (fp8engine.fp8.autocast)
-            for name, recipe in (("delayed", fe.DelayedScaling()), ("current", fe.CurrentScaling())):
-                cases.append((f"fp8engine TransformerLayer fp8 {name} compile",
-                              torch.compile(_ours(h, f, heads, dev)), recipe))
-        else:
-            print(f"# no fp8 compile rows: compiled FP8 needs torch >= 2.13, this is {torch.__version__}")
+        for name, recipe in (("delayed", fe.DelayedScaling()), ("current", fe.CurrentScaling())):
+            cases.append((f"fp8engine TransformerLayer fp8 {name} compile",
+                          torch.compile(_ours(h, f, heads, dev)), recipe))
     if dev == "cuda" and args.graph:
         from fp8engine.modules.graph import make_graphed_callables
 

@@ -67,13 +67,6 @@ _FP8_CONTEXT: contextvars.ContextVar[Optional[FP8Context]] = contextvars.Context
 #: class attribute ``ctx = None`` is resolved through the class by some Dynamo versions).
 _COMPILE_MIRROR = threading.local()
 
-#: Compiled FP8 is enabled on torch >= 2.13 only. History on torch 2.11 (H100): an earlier mirror design failed
-#: Dynamo's guard there ("Unexpected type FP8Context"). With this plain ``threading.local`` mirror and the flag
-#: forced on, 25 tests passed on 2.11 (tests/compile/test_compile_fp8.py, no graph breaks, compiled equal to eager;
-#: the Inductor Linear tests). A later run of all compiled-FP8 tests had 4 failures, but the run's time limit cut the
-#: summary off, so they were not identified. Until they are, torch < 2.13 keeps the refusal: compiled code reads the
-#: ContextVar there, Dynamo runs it outside the graph (a graph break around each FP8 module's set-up, same math).
-MIRROR_TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 @contextlib.contextmanager
@@ -102,7 +95,7 @@ def _interned(recipe):
 
 def get_fp8_context() -> Optional[FP8Context]:
     """The active :class:`FP8Context`, or None outside an enabled FP8 region."""
-    if MIRROR_TRACEABLE and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return getattr(_COMPILE_MIRROR, "ctx", None)
     return _FP8_CONTEXT.get()
 

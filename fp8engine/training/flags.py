@@ -4,7 +4,6 @@ line, exit status 2, before anything is written). Used by :mod:`fp8engine.train`
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 from pathlib import Path
@@ -17,9 +16,6 @@ from fp8engine._cli import CommandParser
 from fp8engine.models import GPT_CONFIGS, GPTConfig
 from fp8engine.training import UsageError
 from fp8engine.training.distributed import env_world_size
-
-#: The FP8 autocast module (its package re-exports the ``autocast`` function under the same name).
-_AUTOCAST = importlib.import_module("fp8engine.fp8.autocast")
 
 __all__ = ["build_parser", "check_flags", "check_out", "fill_defaults", "resolve_device", "check_block_run",
            "check_fp8_dims", "check_precision", "MODEL_DEFAULTS", "RECIPES"]
@@ -159,10 +155,6 @@ def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.fp8_stats and args.compile:
         raise UsageError("--fp8-stats counts the casts of eager FP8 code; a torch.compile-d model is not counted: "
                          "drop --compile or --fp8-stats")
-    # read at call time: a probe may force the flag on in fp8engine.fp8.autocast (one switch for the whole path)
-    if args.compile and args.precision == "fp8" and not _AUTOCAST.MIRROR_TRACEABLE:
-        raise UsageError(f"--compile with --precision fp8 needs torch >= 2.13 (the Dynamo of torch {torch.__version__} "
-                         "cannot trace the FP8 autocast context); drop --compile, or use --precision bf16 or fp32")
     return args
 
 

@@ -13,17 +13,12 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fp8engine.modules as M
-from fp8engine.fp8.autocast import MIRROR_TRACEABLE, fp8_autocast
+from fp8engine.fp8.autocast import fp8_autocast
 from fp8engine.fp8.library import fold_grad_amax
 from fp8engine.fp8.state import ScalingState
 from fp8engine.models import GPT, GPTConfig
 from fp8engine.recipe import CurrentScaling, DelayedScaling
 
-# graph-break and re-trace counts hold where Dynamo traces the FP8 context (fp8engine.fp8.autocast.MIRROR_TRACEABLE)
-pytestmark = pytest.mark.skipif(not MIRROR_TRACEABLE, reason="torch.compile of FP8 modules needs torch >= 2.13: the "
-                                "Dynamo of torch 2.11 can neither guard the mirrored FP8 context nor read a ContextVar")
-needs_traceable_context = pytest.mark.skipif(not MIRROR_TRACEABLE, reason="Dynamo of torch < 2.13 cannot guard the "
-                                             "mirrored FP8 context: compiled FP8 modules graph-break around it")
 
 H, HEADS, S, B = 64, 4, 16, 2
 TINY = GPTConfig(n_layer=2, n_head=HEADS, hidden_size=H, ffn_hidden_size=4 * H, max_seq_len=S, vocab_size=256,
@@ -56,7 +51,6 @@ def _assert_state_equal(eager, compiled):
         assert torch.equal(sd0[k], sd1[k]), k
 
 
-@needs_traceable_context
 @pytest.mark.parametrize("name", list(MODULES))
 def test_module_forward_has_no_graph_break(name):
     torch.manual_seed(0)
@@ -68,7 +62,6 @@ def test_module_forward_has_no_graph_break(name):
     assert explained.graph_count == 1
 
 
-@needs_traceable_context
 def test_gpt_forward_has_no_graph_break():
     torch.manual_seed(0)
     model = GPT(TINY)
@@ -137,7 +130,6 @@ def test_gpt_20_steps_compiled_equals_eager(recipe):
     _assert_state_equal(eager, compiled_model)
 
 
-@needs_traceable_context
 def test_recipe_change_retraces():
     """The compiled code guards the active recipe: a new recipe (or FP8 off) compiles a new graph and computes
     what eager mode computes under it; an equal recipe again (a new but equal object) reuses its graph."""

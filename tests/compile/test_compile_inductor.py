@@ -19,14 +19,12 @@ import pytest
 import torch
 
 import fp8engine.modules as M
-from fp8engine.fp8.autocast import MIRROR_TRACEABLE, FP8Context, fp8_autocast, recompute_context
+from fp8engine.fp8.autocast import FP8Context, fp8_autocast, recompute_context
 from fp8engine.fp8.library import fold_grad_amax, frozen_scale
 from fp8engine.fp8.state import ScalingState
 from fp8engine.models import GPT
 from tests.compile.test_compile_fp8 import B, H, RECIPES, S, TINY
 
-pytestmark = pytest.mark.skipif(not MIRROR_TRACEABLE, reason="torch.compile of FP8 modules needs torch >= 2.13 "
-                                "(fp8engine.fp8.autocast.MIRROR_TRACEABLE)")
 
 
 def _states(model):
