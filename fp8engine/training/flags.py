@@ -169,8 +169,10 @@ def resolve_device(requested: Optional[str]) -> torch.device:
 
 def check_block_run(args: argparse.Namespace, config: GPTConfig) -> None:
     """:class:`UsageError` for what ``--recipe block`` cannot run: per-rank dims not multiples of 128 at ``--tp``
-    (one rank was checked with the model), and ``--compile`` (Inductor fails on the block-scaled casts' reference
-    code, torch 2.13 CPU: an internal shape assertion; ``aot_eager`` traces them exactly)."""
+    (one rank was checked with the model), and ``--compile``: the Inductor of torch 2.11 fails on the block-scaled
+    casts' reference code (CPU: ``AssertionError: unexpected group`` in its loop fusion), while torch 2.13's CPU
+    Inductor trains a 1-layer GPT to the eager losses; refused until it is checked on the GPU (``aot_eager`` traces
+    the casts exactly)."""
     if args.compile:
         raise UsageError("--compile is not supported with --recipe block yet (Inductor cannot compile the "
                          "block-scaled casts); drop --compile, or use --recipe delayed / current")
