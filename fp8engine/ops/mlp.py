@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
+from fp8engine.ops.kernel_ops import ACT_KINDS, act_bwd_fp8, act_fwd_fp8, compiled_kernel_ops
 from fp8engine.ops.comm import LinearComm
 from fp8engine.ops.linear import dgrad_wgrad, fp8_linear, linear_input, output_leading_dims
 
@@ -103,9 +104,13 @@ def activation_cast(x: torch.Tensor, kind: str, quantizer: Quantizer,
     return _ActCast.apply(x, kind, quantizer, transpose)
 
 
-#: Triton launchers per activation: (forward, backward + cast-transpose + dbias); names in fp8engine.kernels.activation.
-_KERNELS = {"gelu": ("gelu_fwd", "gelu_bwd_cast_transpose"), "relu": ("relu_fwd", "relu_bwd_cast_transpose"),
-            "swiglu": ("swiglu_fwd", "swiglu_bwd_cast_transpose")}
+def _compiled_op_args(h: torch.Tensor, quantizer: Quantizer) -> Optional[tuple]:
+    """``(scale, amax)`` for the custom kernel ops (:mod:`fp8engine.ops.kernel_ops`) when ``torch.compile`` traces
+    this call on CUDA under delayed scaling with an amax to record, else None (the torch path)."""
+    if not (compiled_kernel_ops(h) and quantizer.delayed and quantizer.stats is None and quantizer.state is not None):
+        return None
+    scale, amax = quantizer._compiled_views()
+    return None if amax is None else (scale, amax)
 
 
 def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bool) -> Float8Tensor:
@@ -118,11 +123,15 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
     cast-transpose (scale derived from that amax on the device).
     Torch: :func:`act_fwd` then ``quantizer.quantize``.
     """
+    op_args = _compiled_op_args(h, quantizer)
+    if op_args is not None:  # traced by torch.compile: our kernel as an opaque op (fp8engine.ops.kernel_ops)
+        y8, scale_inv = act_fwd_fp8(h.contiguous(), kind, op_args[0], quantizer.fp8_dtype, op_args[1])
+        return Float8Tensor(y8, scale_inv, h.dtype)
     if not use_kernels(h):
         return quantizer.quantize(act_fwd(h, kind), transpose=transpose)
     from fp8engine.kernels import activation as ka
 
-    fwd = getattr(ka, _KERNELS[kind][0])
+    fwd = getattr(ka, ACT_KINDS[kind][0])
     h = h.contiguous()
     if quantizer.stats is not None:  # stats recording counts the written act(h)
         return quantizer.quantize(fwd(h, return_hp=True)[0], transpose=transpose)
@@ -145,11 +154,16 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
     Current scaling: its high-precision variant (dh, dbias and the amax of the dh written), then the cast-transpose.
     Torch: :func:`act_bwd` then ``quantizer.quantize_dbias``.
     """
+    op_args = _compiled_op_args(h, quantizer)
+    if op_args is not None:  # traced by torch.compile: our kernel as an opaque op (fp8engine.ops.kernel_ops)
+        dh8, dh8_t, scale_inv, db = act_bwd_fp8(da.contiguous(), h.contiguous(), kind, op_args[0],
+                                                quantizer.fp8_dtype, op_args[1])
+        return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t), (db if dbias else None)
     if not use_kernels(h):
         return quantizer.quantize_dbias(act_bwd(da, h, kind), transpose=transpose, dbias=dbias)
     from fp8engine.kernels import activation as ka
 
-    bwd = getattr(ka, _KERNELS[kind][1])
+    bwd = getattr(ka, ACT_KINDS[kind][1])
     da, h = da.contiguous(), h.contiguous()
     if not quantizer.delayed or quantizer.stats is not None:  # stats recording counts the written dh
         # current scaling: the kernel takes the amax of the dh it writes (no separate read of dh)
