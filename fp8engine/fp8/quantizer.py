@@ -121,7 +121,7 @@ class Quantizer:
                 self.stats.record(x, out.data, scale)
             return out
         if self.state is not None and torch.compiler.is_compiling():
-            return quantize_torch(x, self.fp8_dtype, *self._compiled_views(), transpose)
+            return quantize_torch(x, self.fp8_dtype, *self.compiled_views(), transpose)
         out = quantize_torch(x, self.fp8_dtype, self.scale, self.amax, transpose)
         if self.stats is not None:
             self.stats.record(x, out.data, self.scale)
@@ -132,7 +132,7 @@ class Quantizer:
         ``from_amax``: the kernel derived ``current_scale(amax)`` from it on the device, the same formula)."""
         self.stats.record(x, data, current_scale(scale, self.fp8_dtype) if from_amax else scale)
 
-    def _compiled_views(self) -> tuple:
+    def compiled_views(self) -> tuple:
         """``(scale, amax)`` inside a ``torch.compile`` trace, amax sliced from the live state buffers (AOTAutograd
         sees the buffer mutations it must replay). A forward role's scale is the forward's frozen copy of the scales
         (``self.scale``, see :func:`get_quantizers`); a gradient role reads the live ``state.scale`` (updated since

@@ -109,7 +109,7 @@ def _compiled_op_args(h: torch.Tensor, quantizer: Quantizer) -> Optional[tuple]:
     this call on CUDA under delayed scaling with an amax to record, else None (the torch path)."""
     if not (compiled_kernel_ops(h) and quantizer.delayed and quantizer.stats is None and quantizer.state is not None):
         return None
-    scale, amax = quantizer._compiled_views()
+    scale, amax = quantizer.compiled_views()
     return None if amax is None else (scale, amax)
 
 
