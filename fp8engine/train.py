@@ -71,7 +71,7 @@ from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout
 from fp8engine.training.sharded_checkpoint import (SHARDED_DIR, CheckpointNotWritten, has_sharded, load_sharded,
                                                    read_sharded_settings, save_sharded, select_sharded)
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
-from fp8engine.training.step import CUDAGraphStep, TrainStep, capture_problem, make_optimizer, set_lr
+from fp8engine.training.step import CUDAGraphStep, TrainStep, capture_problem, graph_warmup, make_optimizer, set_lr
 from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
 from fp8engine.training.flags import (RECIPES, check_block_run, check_fp8_dims, check_out, check_precision,
                                      fill_defaults, resolve_device)
@@ -252,7 +252,7 @@ def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torc
     nf_guard = NonFiniteGuard(model, group=layout.dp_group) if guard else None
     if args.cuda_graphs and run.graph_problem is None:
         return CUDAGraphStep(step_model, params, optimizer, context, args.grad_accum, clip, device=run.device,
-                             guard=nf_guard)
+                             guard=nf_guard, warmup=graph_warmup(args.compile))
     return TrainStep(step_model, params, optimizer, context, args.grad_accum, clip, after_backward,
                      device=run.device, guard=nf_guard)
 
@@ -464,7 +464,8 @@ def _describe(run: Run, model: GPT) -> str:
     if run.device.type != "cuda":
         graphs = ""
     elif a.cuda_graphs and run.graph_problem is None:
-        graphs = "\n  CUDA graphs: the training step is captured after 2 eager steps and replayed (--no-cuda-graphs: off)"
+        graphs = (f"\n  CUDA graphs: the training step{' (compiled)' if a.compile else ''} is captured after "
+                  f"{graph_warmup(a.compile)} eager steps and replayed (--no-cuda-graphs: off)")
     else:
         graphs = f"\n  CUDA graphs: off ({'--no-cuda-graphs' if not a.cuda_graphs else run.graph_problem})"
     stats = ""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp8engine.train import main
-from fp8engine.training.step import CUDAGraphStep, capture_problem, set_lr
+from fp8engine.training.step import CUDAGraphStep, capture_problem, graph_warmup, set_lr
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -118,6 +118,20 @@ def test_compiled_fp8_run_logs_close_to_eager(tmp_path, recipe):
 
 
 @cuda
+@pytest.mark.parametrize("recipe,dropout", [("delayed", "0.1"), ("current", "0")])
+def test_compiled_graphed_run_logs_the_compiled_losses(tmp_path, recipe, dropout):
+    """``--compile`` on CUDA captures the compiled step in the command's CUDA graph (after 3 eager steps): the
+    replays run the compiled step's own kernels on the same buffers, so they log the losses of ``--compile
+    --no-cuda-graphs`` bit for bit, dropout included (Inductor draws its masks from the CUDA generator, whose
+    offset a replay advances as the eager step does)."""
+    flags = ["--precision", "fp8", "--recipe", recipe, "--steps", "8", "--eval-interval", "4", "--dropout", dropout,
+             "--compile"]
+    graphed = _run(tmp_path / "graph", *flags)
+    eager = _run(tmp_path / "eager", *flags, "--no-cuda-graphs")
+    assert graphed == eager
+
+
+@cuda
 def test_gpt_forward_backward_as_the_command_runs_it():
     """fp32 parameters, bf16 autocast around the FP8 region: finite loss and gradients for every parameter, and
     the FP8 loss within 0.05 of the bf16 one at init (both ~ln(256); FP8 adds per-tensor quantisation noise)."""
@@ -143,8 +157,12 @@ def test_gpt_forward_backward_as_the_command_runs_it():
 def test_capture_problem_says_why():
     assert capture_problem(torch.device("cpu"), 1, False) == "CUDA graphs need --device cuda"
     assert "multi-process" in capture_problem(torch.device("cuda"), 2, False)
-    assert "--compile" in capture_problem(torch.device("cuda"), 1, True)
+    assert capture_problem(torch.device("cuda"), 1, True) is None  # a compiled step is captured too
     assert capture_problem(torch.device("cuda"), 1, False) is None
+
+
+def test_graph_warmup_gives_compile_its_retrace():
+    assert graph_warmup(False) == 2 and graph_warmup(True) == 3
 
 
 def test_graph_step_refuses_cpu_parameters():

@@ -6,10 +6,12 @@ way the command runs them (learning rate set, batch built on the host, forward +
 scale update, loss read back). Reported per mode: median step time over the timed steps, tokens/s, model TFLOP/s
 and MFU against the GPU's dense bf16 peak, peak memory, and the ratio of tokens/s to bf16 eager.
 
-Modes: ``bf16`` (eager), ``bf16-compile`` (``--compile``), ``bf16-graph`` (CUDA graph), ``fp8-delayed`` and
-``fp8-current`` (eager, ``--no-cuda-graphs``), ``fp8-delayed-graph`` and ``fp8-current-graph`` (the command's
-default on CUDA), ``fp8-delayed-compile`` and ``fp8-current-compile`` (``--compile``: Inductor; its first steps,
-which compile, fall in the skipped warm-up). Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding parameters plus the tied LM head,
+Modes: ``bf16`` (eager), ``bf16-compile`` (``--compile --no-cuda-graphs``: ``torch.compile``'s default),
+``bf16-graph`` (CUDA graph), ``bf16-compile-graph`` (compiled and captured), ``fp8-delayed`` and ``fp8-current``
+(eager, ``--no-cuda-graphs``), ``fp8-delayed-graph`` and ``fp8-current-graph`` (the command's default on CUDA),
+``fp8-delayed-compile`` and ``fp8-current-compile`` (``--compile --no-cuda-graphs``: Inductor; its first steps,
+which compile, fall in the skipped warm-up), ``fp8-*-compile-graph`` (``--compile`` on CUDA: the compiled step
+captured in the command's CUDA graph), ``fp8-block`` and ``fp8-block-graph``. Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding parameters plus the tied LM head,
 L layers, h width, s context; the PaLM paper's appendix B formula), so MFU counts no recomputation.
 
 Each step runs with the command's non-finite guard (:mod:`fp8engine.training.guard`: FP8-buffer snapshot,
@@ -34,14 +36,17 @@ __all__ = ["main", "MODES", "model_flops_per_token"]
 #: mode -> extra training-command flags.
 MODES = {
     "bf16": ["--precision", "bf16", "--no-cuda-graphs"],
-    "bf16-compile": ["--precision", "bf16", "--compile"],
+    "bf16-compile": ["--precision", "bf16", "--compile", "--no-cuda-graphs"],
+    "bf16-compile-graph": ["--precision", "bf16", "--compile"],
     "bf16-graph": ["--precision", "bf16"],
     "fp8-delayed": ["--precision", "fp8", "--recipe", "delayed", "--no-cuda-graphs"],
     "fp8-delayed-graph": ["--precision", "fp8", "--recipe", "delayed"],
     "fp8-current": ["--precision", "fp8", "--recipe", "current", "--no-cuda-graphs"],
     "fp8-current-graph": ["--precision", "fp8", "--recipe", "current"],
-    "fp8-delayed-compile": ["--precision", "fp8", "--recipe", "delayed", "--compile"],
-    "fp8-current-compile": ["--precision", "fp8", "--recipe", "current", "--compile"],
+    "fp8-delayed-compile": ["--precision", "fp8", "--recipe", "delayed", "--compile", "--no-cuda-graphs"],
+    "fp8-current-compile": ["--precision", "fp8", "--recipe", "current", "--compile", "--no-cuda-graphs"],
+    "fp8-delayed-compile-graph": ["--precision", "fp8", "--recipe", "delayed", "--compile"],
+    "fp8-current-compile-graph": ["--precision", "fp8", "--recipe", "current", "--compile"],
     "fp8-block": ["--precision", "fp8", "--recipe", "block", "--no-cuda-graphs"],
     "fp8-block-graph": ["--precision", "fp8", "--recipe", "block"],
 }

@@ -27,7 +27,7 @@ import torch
 
 from fp8engine.training.guard import NonFiniteGuard
 
-__all__ = ["TrainStep", "CUDAGraphStep", "capture_problem", "make_optimizer", "set_lr"]
+__all__ = ["TrainStep", "CUDAGraphStep", "capture_problem", "graph_warmup", "make_optimizer", "set_lr"]
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device
@@ -65,15 +65,25 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def capture_problem(device: torch.device, world_size: int, compile_: bool) -> Optional[str]:
-    """Why the training step cannot be captured in a CUDA graph here (one line), or None when it can."""
+    """Why the training step cannot be captured in a CUDA graph here (one line), or None when it can.
+
+    A ``torch.compile``'d model (``compile_``) is captured too: its Inductor kernels and our custom ops run on
+    static buffers like the eager ones (what ``mode="reduce-overhead"`` does per graph, here for the whole step);
+    :func:`graph_warmup` gives it the extra eager step its re-trace needs."""
     if device.type != "cuda":
         return "CUDA graphs need --device cuda"
     if world_size > 1:
         return ("CUDA graphs are not used in multi-process runs (DDP buckets and the tensor-parallel RNG tracker "
                 "switch state on the host)")
-    if compile_:
-        return "--compile runs the torch.compile'd model instead"
     return None
+
+
+def graph_warmup(compile_: bool) -> int:
+    """Eager steps before :class:`CUDAGraphStep` captures: 2 (kernels compile, the amax histories take the recipe's
+    length, the optimizer state exists); 3 under ``--compile``: Dynamo traces in step 1 and re-traces once in step 2
+    (the history resized in step 1's graph changes a buffer shape it guards on), and nothing may compile while a
+    graph is captured."""
+    return 3 if compile_ else 2
 
 
 class TrainStep:
