@@ -113,6 +113,8 @@ class Quantizer:
                 self._record(x, data, scale, from_amax)
             return Float8Tensor(data, scale_inv, x.dtype, data_t)
         if not self.delayed:
+            if _compiled_ops(x) and self.stats is None:
+                return self._quantize_op(x, transpose, amax)
             if amax is None:
                 amax = x.detach().abs().amax()
             scale = current_scale(amax, self.fp8_dtype)
@@ -121,11 +123,31 @@ class Quantizer:
                 self.stats.record(x, out.data, scale)
             return out
         if self.state is not None and torch.compiler.is_compiling():
+            if _compiled_ops(x):
+                return self._quantize_op(x, transpose, amax)
             return quantize_torch(x, self.fp8_dtype, *self.compiled_views(), transpose)
         out = quantize_torch(x, self.fp8_dtype, self.scale, self.amax, transpose)
         if self.stats is not None:
             self.stats.record(x, out.data, self.scale)
         return out
+
+    def _op_args(self, x: torch.Tensor, amax: Optional[torch.Tensor]) -> tuple:
+        """``(scale, amax_out, scale_from_amax)`` for the cast custom ops in a ``torch.compile`` trace: delayed
+        scaling's views of the live state (:meth:`compiled_views`), or current scaling's amax (computed in the
+        graph unless given), as :meth:`_kernel_args` gives them to the launchers in eager mode."""
+        if self.delayed:
+            return (*self.compiled_views(), False)
+        return self._kernel_args(x, amax)
+
+    def _quantize_op(self, x: torch.Tensor, transpose: bool, amax: Optional[torch.Tensor]) -> Float8Tensor:
+        """:meth:`quantize` traced by ``torch.compile`` on CUDA: our cast kernel as an opaque custom op
+        (:func:`fp8engine.ops.kernel_ops.cast_fp8`) where Inductor would generate amax, scale and cast passes."""
+        from fp8engine.ops.kernel_ops import cast_fp8
+
+        x = x.detach().contiguous()
+        scale, amax_out, from_amax = self._op_args(x, amax)
+        data, data_t, scale_inv = cast_fp8(x, scale, self.fp8_dtype, amax_out, transpose, from_amax)
+        return Float8Tensor(data, scale_inv, x.dtype, data_t if transpose else None)
 
     def _record(self, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, from_amax: bool) -> None:
         """Count a kernel cast into ``stats``; ``scale`` is the kernel's scale operand (the amax when
@@ -152,6 +174,13 @@ class Quantizer:
         Kernels: ``cast_transpose_dbias`` (one pass writing both layouts and the fp32-accumulated column sums)
         when ``dbias``, else ``cast_to_fp8``. Torch: :meth:`quantize` then ``dy.sum(0, dtype=float32)``; the two
         bias gradients differ only in summation order."""
+        if dbias and _compiled_ops(dy) and self.stats is None and (not self.delayed or self.state is not None):
+            from fp8engine.ops.kernel_ops import cast_transpose_dbias_fp8
+
+            dy = dy.contiguous()
+            scale, amax_out, from_amax = self._op_args(dy, None)
+            data, data_t, scale_inv, db = cast_transpose_dbias_fp8(dy, scale, self.fp8_dtype, amax_out, from_amax)
+            return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
         if dbias and use_kernels(dy):
             from fp8engine.kernels.cast import cast_transpose_dbias
 
@@ -171,6 +200,14 @@ class Quantizer:
     def __repr__(self) -> str:
         return (f"Quantizer(role={self.role!r}, kind={self.kind!r}, fp8_dtype={self.fp8_dtype}, "
                 f"record_amax={self.record_amax})")
+
+
+def _compiled_ops(x: torch.Tensor) -> bool:
+    """True while ``torch.compile`` traces a cast of CUDA tensor ``x`` (Triton installed): the cast kernels then run
+    as custom ops (:mod:`fp8engine.ops.kernel_ops`)."""
+    from fp8engine.ops.kernel_ops import compiled_kernel_ops
+
+    return compiled_kernel_ops(x)
 
 
 class LinearQuantizers(NamedTuple):

@@ -10,15 +10,24 @@ calls our kernels (CUDA) or their plain-PyTorch references (any other device), w
 Each op declares what it mutates (``mutates_args``: the amax slot it max-accumulates into, a view of
 ``ScalingState.amax_history`` in a compiled forward or of ``grad_amax`` in a compiled backward) and has a fake
 implementation giving the output shapes and dtypes, so AOTAutograd functionalizes the mutation as it does the
-reference path's. Only delayed scaling uses them (the scale is known before the kernel runs).
+reference path's.
+
+The ops: the activations (forward written in FP8; backward cast-transposed with dbias: delayed scaling), the casts
+(:func:`cast_fp8`, :func:`cast_transpose_dbias_fp8`: delayed scaling, or current scaling from an amax computed in
+the graph), and LayerNorm / RMSNorm (:func:`norm_fwd_fp8` writing the FP8 copy under delayed scaling, with the
+residual add fused; :func:`norm_bwd` for the norms those wrote, whose mean / rstd have the kernel's layout).
+Outputs a call does not produce are returned as empty ``[0]`` tensors (a custom op's outputs are tensors, never
+aliases of its inputs).
 """
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 
 import torch
 
-__all__ = ["act_fwd_fp8", "act_bwd_fp8", "ACT_KINDS", "compiled_kernel_ops"]
+__all__ = ["act_fwd_fp8", "act_bwd_fp8", "cast_fp8", "cast_transpose_dbias_fp8", "norm_fwd_fp8", "norm_bwd",
+           "ACT_KINDS", "compiled_kernel_ops"]
 
 #: Activations with fused kernels, and the names of their launchers in fp8engine.kernels.activation:
 #: (forward, backward + cast-transpose + dbias); the references are the same names + ``_reference``.
@@ -93,3 +102,130 @@ def _(da, h, kind, scale, fp8_dtype, amax):
     rows = h.numel() // h.shape[-1] if h.shape[-1] else 0
     return (h.new_empty(h.shape, dtype=fp8_dtype), h.new_empty((h.shape[-1], rows), dtype=fp8_dtype),
             scale.new_empty((1,)), da.new_empty((h.shape[-1],)))
+
+
+def _cast_launchers(device: torch.device):
+    from fp8engine.kernels import cast as kc
+
+    if device.type == "cuda":
+        return kc.cast_to_fp8, kc.cast_transpose_dbias
+    return kc.cast_to_fp8_reference, kc.cast_transpose_dbias_reference
+
+
+def _none_as_empty(t: Optional[torch.Tensor], like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return like.new_empty((0,), dtype=dtype or like.dtype) if t is None else t
+
+
+@torch.library.custom_op("fp8engine::cast_fp8", mutates_args=("amax",))
+def cast_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax: Optional[torch.Tensor],
+             transpose: bool, scale_from_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` cast to FP8 (:func:`fp8engine.kernels.cast.cast_to_fp8`): ``(data, data_t, scale_inv)``.
+
+    Args:
+        x: ``[*, N]`` bf16 / fp16 / fp32, contiguous.
+        scale: ``[1]`` float32: the scale (delayed scaling), or with ``scale_from_amax`` the amax the kernel derives
+            ``fp8_max / amax`` from on the device (current scaling; 1.0 where it is 0 or not finite).
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        amax: ``[1]`` float32 max-accumulated with ``max |x|`` in place, or None (nothing recorded).
+        transpose: also write the ``[N, M]`` transposed copy.
+    Returns:
+        ``data`` like ``x`` in ``fp8_dtype``; ``data_t [N, M]`` (``[0]`` without ``transpose``); ``scale_inv [1]``
+        float32. Errors are the launcher's."""
+    data, data_t, scale_inv = _cast_launchers(x.device)[0](x, scale, fp8_dtype, amax, transpose=transpose,
+                                                             scale_from_amax=scale_from_amax)
+    return data, _none_as_empty(data_t, data), scale_inv
+
+
+@cast_fp8.register_fake
+def _(x, scale, fp8_dtype, amax, transpose, scale_from_amax):
+    n = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // n if n else 0
+    data_t = x.new_empty((n, rows) if transpose else (0,), dtype=fp8_dtype)
+    return x.new_empty(x.shape, dtype=fp8_dtype), data_t, scale.new_empty((1,))
+
+
+@torch.library.custom_op("fp8engine::cast_transpose_dbias_fp8", mutates_args=("amax",))
+def cast_transpose_dbias_fp8(dy: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                             amax: Optional[torch.Tensor], scale_from_amax: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A gradient ``dy [M, N]`` cast to FP8 in both layouts with its column sums
+    (:func:`fp8engine.kernels.cast.cast_transpose_dbias`): ``(data [M, N], data_t [N, M], scale_inv [1],
+    dbias [N] in dy.dtype)``; ``scale``, ``amax``, ``scale_from_amax`` as :func:`cast_fp8`."""
+    return _cast_launchers(dy.device)[1](dy, scale, fp8_dtype, amax, scale_from_amax=scale_from_amax)
+
+
+@cast_transpose_dbias_fp8.register_fake
+def _(dy, scale, fp8_dtype, amax, scale_from_amax):
+    n = dy.shape[-1]
+    rows = dy.numel() // n if n else 0
+    return (dy.new_empty(dy.shape, dtype=fp8_dtype), dy.new_empty((n, rows), dtype=fp8_dtype),
+            scale.new_empty((1,)), dy.new_empty((n,)))
+
+
+def _norm_launchers(device: torch.device, rms: bool):
+    from fp8engine.kernels import norm as kn
+
+    names = ("rmsnorm_fwd", "rmsnorm_bwd") if rms else ("layernorm_fwd", "layernorm_bwd")
+    suffix = "" if device.type == "cuda" else "_reference"
+    return tuple(getattr(kn, n + suffix) for n in names)
+
+
+@torch.library.custom_op("fp8engine::norm_fwd_fp8", mutates_args=("amax",))
+def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 residual: Optional[torch.Tensor], eps: float, rms: bool, zero_centered_gamma: bool,
+                 scale: Optional[torch.Tensor], fp8_dtype: Optional[torch.dtype], amax: Optional[torch.Tensor],
+                 return_hp: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm (``rms=False``) or RMSNorm of ``x [*, N]`` (``+ residual``, fused), also written in FP8, by one
+    kernel (:mod:`fp8engine.kernels.norm`): ``(y, y8, scale_inv, mean, rstd, s)``.
+
+    Args:
+        x: ``[*, N]`` bf16 / fp16 / fp32, contiguous; weight, bias: ``[N]`` (bias None for RMSNorm).
+        residual: None, or like ``x``: the norm is of ``s = x + residual`` (rounded to ``x.dtype``).
+        scale, fp8_dtype, amax: the FP8 output's delayed-scaling scale ``[1]``, format, and amax slot (or None);
+            scale and fp8_dtype None: no FP8 output (then ``amax``, if given, records ``max |y|``).
+        return_hp: also write ``y`` in ``x.dtype`` (must be True without an FP8 output).
+    Returns:
+        ``y`` like ``x`` (``[0]`` without ``return_hp``), ``y8`` like ``x`` in ``fp8_dtype``, ``scale_inv [1]`` (both
+        ``[0]`` without an FP8 output),
+        ``mean [M]`` float32 (``[0]`` for RMSNorm), ``rstd [M]`` float32, ``s`` (``[0]`` without ``residual``).
+        Formulas and errors: the kernels'."""
+    fwd = _norm_launchers(x.device, rms)[0]
+    res = {} if residual is None else dict(residual=residual, residual_out=torch.empty_like(x))
+    out = fwd(x, weight, *(() if rms else (bias,)), eps, zero_centered_gamma=zero_centered_gamma, scale=scale,
+              fp8_dtype=fp8_dtype, amax_out=amax, return_hp=return_hp, **res)
+    y, y8, scale_inv, rstd = out[0], out[1], out[2], out[-1]
+    mean = None if rms else out[3]
+    return (_none_as_empty(y, x), _none_as_empty(y8, x, torch.uint8), _none_as_empty(scale_inv, rstd),
+            _none_as_empty(mean, rstd), rstd, _none_as_empty(res.get("residual_out"), x))
+
+
+@norm_fwd_fp8.register_fake
+def _(x, weight, bias, residual, eps, rms, zero_centered_gamma, scale, fp8_dtype, amax, return_hp):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    stat = x.new_empty((rows,), dtype=torch.float32)
+    fp8 = scale is not None
+    return (x.new_empty(x.shape if return_hp else (0,)),
+            x.new_empty(x.shape, dtype=fp8_dtype) if fp8 else x.new_empty((0,), dtype=torch.uint8),
+            stat.new_empty((1,) if fp8 else (0,)), x.new_empty((0,) if rms else (rows,), dtype=torch.float32), stat,
+            x.new_empty(x.shape if residual is not None else (0,)))
+
+
+@torch.library.custom_op("fp8engine::norm_bwd", mutates_args=())
+def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+             dresidual: Optional[torch.Tensor], rms: bool, zero_centered_gamma: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`norm_fwd_fp8` (the kernel's, :mod:`fp8engine.kernels.norm`): ``(dx like x, dgamma [N],
+    dbeta [N] or [0] for RMSNorm)``; ``x`` the normalised tensor (``s``), ``mean`` / ``rstd`` as the forward returned
+    them, ``dresidual`` (like x) added to dx in fp32. dgamma / dbeta in ``weight.dtype``."""
+    bwd = _norm_launchers(x.device, rms)[1]
+    if rms:
+        dx, dw = bwd(dy, x, rstd, weight, zero_centered_gamma=zero_centered_gamma, dresidual=dresidual)
+        return dx, dw, weight.new_empty((0,))
+    return bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma, dresidual=dresidual)
+
+
+@norm_bwd.register_fake
+def _(dy, x, mean, rstd, weight, dresidual, rms, zero_centered_gamma):
+    n = weight.shape[0]
+    return torch.empty_like(x), weight.new_empty((n,)), weight.new_empty((0,) if rms else (n,))

@@ -18,6 +18,7 @@ import torch
 
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import Quantizer
+from fp8engine.ops.kernel_ops import compiled_kernel_ops
 
 __all__ = ["norm", "norm_cast", "norm_fwd", "norm_bwd", "NORMALIZATIONS"]
 
@@ -51,6 +52,25 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         normalised tensor (``x``, or ``x + residual``); mean/rstd are opaque to callers (only :func:`norm_bwd`
         reads them; their layout depends on the path taken).
     """
+    if _op_path(x, quantizer, rms):  # traced by torch.compile: the fused kernel as a custom op
+        from fp8engine.ops.kernel_ops import norm_fwd_fp8
+
+        x = x.contiguous()
+        fused = _fuses_cast(x, quantizer)
+        scale, amax = quantizer.compiled_views() if fused else (None, None)
+        return_hp = return_hp or not fused
+        y, y8, scale_inv, mean, rstd, s = norm_fwd_fp8(x, weight, bias, None if residual is None else
+                                                       residual.contiguous(), eps, rms, zero_centered_gamma, scale,
+                                                       quantizer.fp8_dtype if fused else None, amax, return_hp)
+        s = x if residual is None else s
+        if not return_hp:  # gradient carrier only, as below
+            y = s.new_empty(()).expand(s.shape)
+        y_fp8 = None
+        if fused:
+            y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype)
+        elif quantizer is not None:
+            y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose)
+        return y, y_fp8, mean, rstd, s
     if use_kernels(x):  # Triton: normalisation and FP8 cast (delayed scaling) in one pass over x
         from fp8engine.kernels import norm as kn
 
@@ -95,22 +115,49 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     shape = (x.shape[-1],)
     if not rms:
         y, mean, rstd = torch.native_layer_norm(x, shape, gamma, bias, eps)
-    elif _HAS_FUSED_RMS:
+    elif _HAS_FUSED_RMS and not torch.compiler.is_compiling():
         (y, rstd), mean = torch._fused_rms_norm(x, shape, gamma, eps), None
-    else:  # older torch: fp32 math, as the kernel reference
+    else:  # older torch, or traced by torch.compile (Dynamo cannot trace _fused_rms_norm): fp32 math (the kernel's)
         mean, rstd = None, torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-        y = (x.float() * rstd * gamma.float()).to(x.dtype)
+        y = x.float() * rstd * gamma.float()
+        # no no-op .to: under torch 2.11's Dynamo an fp32 autograd.Function output made by a no-op .to(dtype) got
+        # a zero gradient (compiled fp32 RMSNorm: x.grad == 0; tests/compile/test_kernel_ops.py)
+        y = _to(y, x.dtype)
     y_fp8 = None
     if quantizer is not None:
         y_fp8 = quantizer.quantize(y.reshape(-1, shape[0]), transpose=transpose)
     return y, y_fp8, mean, rstd, x
 
 
+def _fuses_cast(x: torch.Tensor, quantizer: Optional[Quantizer]) -> bool:
+    """The compiled norm kernel writes the FP8 copy itself: delayed scaling (scale known before the kernel), no
+    stats recording, on CUDA (:func:`~fp8engine.ops.kernel_ops.compiled_kernel_ops`)."""
+    return (quantizer is not None and quantizer.delayed and quantizer.stats is None and quantizer.state is not None
+            and compiled_kernel_ops(x))
+
+
+def _op_path(x: torch.Tensor, quantizer: Optional[Quantizer], rms: bool) -> bool:
+    """True when :func:`norm_fwd` runs the norm kernel as a custom op (:mod:`fp8engine.ops.kernel_ops`): traced by
+    ``torch.compile`` and either fusing the FP8 cast (:func:`_fuses_cast`) or RMSNorm on any device (torch 2.11's
+    Dynamo returned wrong input gradients for the traced plain-PyTorch RMSNorm with a residual: 12 dB against
+    eager; the op, opaque to it, runs the kernel on CUDA and its reference elsewhere). Its mean / rstd then have the
+    kernel's layout, which :func:`norm_bwd` is told with ``op_path``."""
+    return torch.compiler.is_compiling() and (rms or _fuses_cast(x, quantizer))
+
+
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean, rstd, weight: torch.Tensor, *, rms: bool,
-             zero_centered_gamma: bool, has_bias: bool, dresidual: Optional[torch.Tensor] = None):
+             zero_centered_gamma: bool, has_bias: bool, dresidual: Optional[torch.Tensor] = None,
+             op_path: bool = False):
     """Gradients ``(dx [..., N] in x.dtype, dweight [N], dbias [N] or None)`` of :func:`norm_fwd`'s ``y``
     (``d/dweight`` equals ``d/dgamma``, also with ``zero_centered_gamma``); ``x`` is the normalised tensor.
-    ``dresidual`` (like x): a gradient reaching ``x`` by another path, added to dx (in the kernel on CUDA)."""
+    ``dresidual`` (like x): a gradient reaching ``x`` by another path, added to dx (in the kernel on CUDA).
+    ``op_path``: the forward ran the custom op (:func:`_op_path`): the backward kernel runs as one too."""
+    if op_path:
+        from fp8engine.ops.kernel_ops import norm_bwd as norm_bwd_op
+
+        dres = None if dresidual is None else dresidual.contiguous()
+        dx, dw, db = norm_bwd_op(dy.contiguous(), x.contiguous(), mean, rstd, weight, dres, rms, zero_centered_gamma)
+        return dx, dw, (None if rms else db)
     if use_kernels(x):
         from fp8engine.kernels import norm as kn
 
@@ -136,7 +183,12 @@ def _norm_bwd_torch(dy, x, mean, rstd, weight, rms, zero_centered_gamma, has_bia
     wdy = dy.float() * gamma.float()
     dx = rstd * (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True))
     dw = (dy.float() * xhat).reshape(-1, shape[0]).sum(0)
-    return dx.to(x.dtype), dw.to(weight.dtype), None
+    return _to(dx, x.dtype), _to(dw, weight.dtype), None
+
+
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the no-op call when it has that dtype already (see the RMSNorm forward above)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _NormCast(torch.autograd.Function):
@@ -155,6 +207,7 @@ class _NormCast(torch.autograd.Function):
         ctx.save_for_backward(s, weight, mean, rstd)
         ctx.rms, ctx.zero_centered_gamma, ctx.has_bias = rms, zero_centered_gamma, bias is not None
         ctx.has_residual = residual is not None
+        ctx.op_path = _op_path(x, quantizer, rms)
         return y, y_fp8, s
 
     @staticmethod
@@ -163,7 +216,7 @@ class _NormCast(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(s)
         dx, dw, db = norm_bwd(dy, s, mean, rstd, weight, rms=ctx.rms, zero_centered_gamma=ctx.zero_centered_gamma,
-                              has_bias=ctx.has_bias, dresidual=ds)
+                              has_bias=ctx.has_bias, dresidual=ds, op_path=ctx.op_path)
         return dx, dw, db, None, None, None, None, None, None, (dx if ctx.has_residual else None)
 
 
