@@ -223,9 +223,9 @@ def test_compiled_norm_with_residual_matches_eager(rms):
         y, s = norm(x, w, b, 1e-5, rms=rms, residual=r, return_input=True)
         return y.square().sum() + (0.5 * s).square().sum()
 
-    grads = []
+    grads, data = [], (torch.randn(8, 2, 64), torch.randn(8, 2, 64), w)
     for fn in (f, torch.compile(f, fullgraph=True)):
-        x, r, wi = (t.clone().requires_grad_() for t in (torch.randn(8, 2, 64), torch.randn(8, 2, 64), w))
+        x, r, wi = (t.clone().requires_grad_() for t in data)
         fn(x, r, wi).backward()
         grads.append((x.grad, r.grad, wi.grad))
     for a, c in zip(*grads):
