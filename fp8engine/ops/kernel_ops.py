@@ -222,7 +222,9 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.
     if rms:
         dx, dw = bwd(dy, x, rstd, weight, zero_centered_gamma=zero_centered_gamma, dresidual=dresidual)
         return dx, dw, weight.new_empty((0,))
-    return bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma, dresidual=dresidual)
+    dx, dw, db = bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma, dresidual=dresidual)
+    # the kernel's dgamma and dbeta are two halves of one buffer: a custom op's outputs must not alias
+    return dx, dw, db.clone()
 
 
 @norm_bwd.register_fake
