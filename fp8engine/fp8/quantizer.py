@@ -142,7 +142,7 @@ class Quantizer:
     def _quantize_op(self, x: torch.Tensor, transpose: bool, amax: Optional[torch.Tensor]) -> Float8Tensor:
         """:meth:`quantize` traced by ``torch.compile`` on CUDA: our cast kernel as an opaque custom op
         (:func:`fp8engine.ops.kernel_ops.cast_fp8`) where Inductor would generate amax, scale and cast passes."""
-        from fp8engine.ops.kernel_ops import cast_fp8
+        from fp8engine.fp8.cast_ops import cast_fp8
 
         x = x.detach().contiguous()
         scale, amax_out, from_amax = self._op_args(x, amax)
@@ -175,7 +175,7 @@ class Quantizer:
         when ``dbias``, else ``cast_to_fp8``. Torch: :meth:`quantize` then ``dy.sum(0, dtype=float32)``; the two
         bias gradients differ only in summation order."""
         if dbias and _compiled_ops(dy) and self.stats is None and (not self.delayed or self.state is not None):
-            from fp8engine.ops.kernel_ops import cast_transpose_dbias_fp8
+            from fp8engine.fp8.cast_ops import cast_transpose_dbias_fp8
 
             dy = dy.contiguous()
             scale, amax_out, from_amax = self._op_args(dy, None)
@@ -205,7 +205,7 @@ class Quantizer:
 def _compiled_ops(x: torch.Tensor) -> bool:
     """True while ``torch.compile`` traces a cast of CUDA tensor ``x`` (Triton installed): the cast kernels then run
     as custom ops (:mod:`fp8engine.ops.kernel_ops`)."""
-    from fp8engine.ops.kernel_ops import compiled_kernel_ops
+    from fp8engine.fp8.cast_ops import compiled_kernel_ops
 
     return compiled_kernel_ops(x)
 

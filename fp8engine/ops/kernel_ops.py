@@ -21,7 +21,6 @@ aliases of its inputs).
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import torch
@@ -34,13 +33,8 @@ __all__ = ["act_fwd_fp8", "act_bwd_fp8", "cast_fp8", "cast_transpose_dbias_fp8",
 ACT_KINDS = {"gelu": ("gelu_fwd", "gelu_bwd_cast_transpose"), "relu": ("relu_fwd", "relu_bwd_cast_transpose"),
              "swiglu": ("swiglu_fwd", "swiglu_bwd_cast_transpose")}
 
-_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def compiled_kernel_ops(x: torch.Tensor) -> bool:
-    """True when code traced by ``torch.compile`` should call the custom ops of this module for ``x``: while
-    compiling, for a CUDA tensor, with Triton installed."""
-    return torch.compiler.is_compiling() and x.is_cuda and _TRITON
+# the cast ops and compiled_kernel_ops live in the fp8 layer (the Quantizer calls them); re-exported here
+from fp8engine.fp8.cast_ops import _none_as_empty, cast_fp8, cast_transpose_dbias_fp8, compiled_kernel_ops  # noqa: E402,F401
 
 
 def _launcher(kind: str, which: int, device: torch.device):
@@ -102,64 +96,6 @@ def _(da, h, kind, scale, fp8_dtype, amax):
     rows = h.numel() // h.shape[-1] if h.shape[-1] else 0
     return (h.new_empty(h.shape, dtype=fp8_dtype), h.new_empty((h.shape[-1], rows), dtype=fp8_dtype),
             scale.new_empty((1,)), da.new_empty((h.shape[-1],)))
-
-
-def _cast_launchers(device: torch.device):
-    from fp8engine.kernels import cast as kc
-
-    if device.type == "cuda":
-        return kc.cast_to_fp8, kc.cast_transpose_dbias
-    return kc.cast_to_fp8_reference, kc.cast_transpose_dbias_reference
-
-
-def _none_as_empty(t: Optional[torch.Tensor], like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    return like.new_empty((0,), dtype=dtype or like.dtype) if t is None else t
-
-
-@torch.library.custom_op("fp8engine::cast_fp8", mutates_args=("amax",))
-def cast_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax: Optional[torch.Tensor],
-             transpose: bool, scale_from_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` cast to FP8 (:func:`fp8engine.kernels.cast.cast_to_fp8`): ``(data, data_t, scale_inv)``.
-
-    Args:
-        x: ``[*, N]`` bf16 / fp16 / fp32, contiguous.
-        scale: ``[1]`` float32: the scale (delayed scaling), or with ``scale_from_amax`` the amax the kernel derives
-            ``fp8_max / amax`` from on the device (current scaling; 1.0 where it is 0 or not finite).
-        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-        amax: ``[1]`` float32 max-accumulated with ``max |x|`` in place, or None (nothing recorded).
-        transpose: also write the ``[N, M]`` transposed copy.
-    Returns:
-        ``data`` like ``x`` in ``fp8_dtype``; ``data_t [N, M]`` (``[0]`` without ``transpose``); ``scale_inv [1]``
-        float32. Errors are the launcher's."""
-    data, data_t, scale_inv = _cast_launchers(x.device)[0](x, scale, fp8_dtype, amax, transpose=transpose,
-                                                             scale_from_amax=scale_from_amax)
-    return data, _none_as_empty(data_t, data), scale_inv
-
-
-@cast_fp8.register_fake
-def _(x, scale, fp8_dtype, amax, transpose, scale_from_amax):
-    n = x.shape[-1] if x.dim() else 1
-    rows = x.numel() // n if n else 0
-    data_t = x.new_empty((n, rows) if transpose else (0,), dtype=fp8_dtype)
-    return x.new_empty(x.shape, dtype=fp8_dtype), data_t, scale.new_empty((1,))
-
-
-@torch.library.custom_op("fp8engine::cast_transpose_dbias_fp8", mutates_args=("amax",))
-def cast_transpose_dbias_fp8(dy: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
-                             amax: Optional[torch.Tensor], scale_from_amax: bool
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A gradient ``dy [M, N]`` cast to FP8 in both layouts with its column sums
-    (:func:`fp8engine.kernels.cast.cast_transpose_dbias`): ``(data [M, N], data_t [N, M], scale_inv [1],
-    dbias [N] in dy.dtype)``; ``scale``, ``amax``, ``scale_from_amax`` as :func:`cast_fp8`."""
-    return _cast_launchers(dy.device)[1](dy, scale, fp8_dtype, amax, scale_from_amax=scale_from_amax)
-
-
-@cast_transpose_dbias_fp8.register_fake
-def _(dy, scale, fp8_dtype, amax, scale_from_amax):
-    n = dy.shape[-1]
-    rows = dy.numel() // n if n else 0
-    return (dy.new_empty(dy.shape, dtype=fp8_dtype), dy.new_empty((n, rows), dtype=fp8_dtype),
-            scale.new_empty((1,)), dy.new_empty((n,)))
 
 
 def _norm_launchers(device: torch.device, rms: bool):

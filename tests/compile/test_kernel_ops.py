@@ -180,10 +180,12 @@ def test_compiled_layer_through_the_cast_and_norm_ops(monkeypatch, recipe_name, 
             return tuple(count(fn) for fn in launchers(*args))
         return wrapped
 
+    import fp8engine.fp8.cast_ops as co
+
     forced = lambda x: torch.compiler.is_compiling()  # noqa: E731
-    for mod in (ko, nl, mlp_ops):
+    for mod in (co, ko, nl, mlp_ops):
         monkeypatch.setattr(mod, "compiled_kernel_ops", forced)
-    monkeypatch.setattr(ko, "_cast_launchers", counting(ko._cast_launchers))
+    monkeypatch.setattr(co, "_cast_launchers", counting(co._cast_launchers))
     monkeypatch.setattr(ko, "_norm_launchers", counting(ko._norm_launchers))
     torch.manual_seed(0)
     eager = M.TransformerLayer(64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization=normalization)
