@@ -106,8 +106,8 @@ def test_compiled_fp8_run_logs_close_to_eager(tmp_path, recipe):
     amplifies such differences (tests/compile/test_compile_inductor.py). Measured on an H100 (torch 2.11): the first
     7 steps within 2.5e-3 (both recipes); after that, at lr 3e-3 on this small model, the eager current-scaling
     run had a loss spike at step 8 (3.05 -> 3.27) that the compiled run did not (6.6e-2 apart, 2e-2 by step 12),
-    while delayed scaling stayed within 2.5e-3 throughout. Bounds (at first): the first 7 steps within 5e-3 (the delayed-scaling
-    bug fixed by fp8engine.fp8.library.frozen_scale moved losses by 2.6e-2 at step 2, 8e-2 at 4), all 12 within
+    while delayed scaling stayed within 2.5e-3 throughout. Bounds (at first): the first 7 steps within 5e-3 (the
+    delayed-scaling bug fixed by fp8engine.fp8.library.frozen_scale moved losses by 2.6e-2 at step 2, 8e-2 at 4), all 12 within
     1e-1, and the compiled run learns. With the compiled step captured in the CUDA graph and the cast / norm kernels
     as custom ops (H100, torch 2.11), delayed scaling measured 5.6e-3 at step 5 and at most 1.7e-3 at the other
     steps: the first 7 bound is 1e-2 (the frozen_scale bug stays far outside it)."""

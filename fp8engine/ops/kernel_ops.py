@@ -34,7 +34,8 @@ ACT_KINDS = {"gelu": ("gelu_fwd", "gelu_bwd_cast_transpose"), "relu": ("relu_fwd
              "swiglu": ("swiglu_fwd", "swiglu_bwd_cast_transpose")}
 
 # the cast ops and compiled_kernel_ops live in the fp8 layer (the Quantizer calls them); re-exported here
-from fp8engine.fp8.cast_ops import _none_as_empty, cast_fp8, cast_transpose_dbias_fp8, compiled_kernel_ops  # noqa: E402,F401
+from fp8engine.fp8.cast_ops import (  # noqa: E402,F401
+    _none_as_empty, cast_fp8, cast_transpose_dbias_fp8, compiled_kernel_ops)
 
 
 def _launcher(kind: str, which: int, device: torch.device):
