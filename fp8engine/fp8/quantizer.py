@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+import fp8engine.fp8.cast_ops as _cast_ops
 from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize_torch, use_kernels
 from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling
@@ -142,11 +143,9 @@ class Quantizer:
     def _quantize_op(self, x: torch.Tensor, transpose: bool, amax: Optional[torch.Tensor]) -> Float8Tensor:
         """:meth:`quantize` traced by ``torch.compile`` on CUDA: our cast kernel as an opaque custom op
         (:func:`fp8engine.ops.kernel_ops.cast_fp8`) where Inductor would generate amax, scale and cast passes."""
-        from fp8engine.fp8.cast_ops import cast_fp8
-
         x = x.detach().contiguous()
         scale, amax_out, from_amax = self._op_args(x, amax)
-        data, data_t, scale_inv = cast_fp8(x, scale, self.fp8_dtype, amax_out, transpose, from_amax)
+        data, data_t, scale_inv = _cast_ops.cast_fp8(x, scale, self.fp8_dtype, amax_out, transpose, from_amax)
         return Float8Tensor(data, scale_inv, x.dtype, data_t if transpose else None)
 
     def _record(self, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, from_amax: bool) -> None:
@@ -174,13 +173,6 @@ class Quantizer:
         Kernels: ``cast_transpose_dbias`` (one pass writing both layouts and the fp32-accumulated column sums)
         when ``dbias``, else ``cast_to_fp8``. Torch: :meth:`quantize` then ``dy.sum(0, dtype=float32)``; the two
         bias gradients differ only in summation order."""
-        if dbias and _compiled_ops(dy) and self.stats is None and (not self.delayed or self.state is not None):
-            from fp8engine.fp8.cast_ops import cast_transpose_dbias_fp8
-
-            dy = dy.contiguous()
-            scale, amax_out, from_amax = self._op_args(dy, None)
-            data, data_t, scale_inv, db = cast_transpose_dbias_fp8(dy, scale, self.fp8_dtype, amax_out, from_amax)
-            return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
         if dbias and use_kernels(dy):
             from fp8engine.kernels.cast import cast_transpose_dbias
 
@@ -190,6 +182,12 @@ class Quantizer:
                                                                scale_from_amax=from_amax)
             if self.stats is not None:
                 self._record(dy, data, scale, from_amax)
+            return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
+        if dbias and _compiled_ops(dy) and self.stats is None and (not self.delayed or self.state is not None):
+            dy = dy.contiguous()  # traced by torch.compile on CUDA: the kernel as a custom op
+            scale, amax_out, from_amax = self._op_args(dy, None)
+            data, data_t, scale_inv, db = _cast_ops.cast_transpose_dbias_fp8(dy, scale, self.fp8_dtype, amax_out,
+                                                                             from_amax)
             return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
         dy_fp8 = self.quantize(dy, transpose=transpose)
         return dy_fp8, (dy.sum(0, dtype=torch.float32).to(dy.dtype) if dbias else None)
@@ -205,9 +203,7 @@ class Quantizer:
 def _compiled_ops(x: torch.Tensor) -> bool:
     """True while ``torch.compile`` traces a cast of CUDA tensor ``x`` (Triton installed): the cast kernels then run
     as custom ops (:mod:`fp8engine.ops.kernel_ops`)."""
-    from fp8engine.fp8.cast_ops import compiled_kernel_ops
-
-    return compiled_kernel_ops(x)
+    return _cast_ops.compiled_kernel_ops(x)
 
 
 class LinearQuantizers(NamedTuple):
