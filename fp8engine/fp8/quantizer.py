@@ -114,7 +114,7 @@ class Quantizer:
                 self._record(x, data, scale, from_amax)
             return Float8Tensor(data, scale_inv, x.dtype, data_t)
         if not self.delayed:
-            if _compiled_ops(x) and self.stats is None:
+            if _cast_ops.compiled_kernel_ops(x) and self.stats is None:
                 return self._quantize_op(x, transpose, amax)
             if amax is None:
                 amax = x.detach().abs().amax()
@@ -124,7 +124,7 @@ class Quantizer:
                 self.stats.record(x, out.data, scale)
             return out
         if self.state is not None and torch.compiler.is_compiling():
-            if _compiled_ops(x):
+            if _cast_ops.compiled_kernel_ops(x):
                 return self._quantize_op(x, transpose, amax)
             return quantize_torch(x, self.fp8_dtype, *self.compiled_views(), transpose)
         out = quantize_torch(x, self.fp8_dtype, self.scale, self.amax, transpose)
@@ -183,7 +183,8 @@ class Quantizer:
             if self.stats is not None:
                 self._record(dy, data, scale, from_amax)
             return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
-        if dbias and _compiled_ops(dy) and self.stats is None and (not self.delayed or self.state is not None):
+        if (dbias and _cast_ops.compiled_kernel_ops(dy) and self.stats is None
+                and (not self.delayed or self.state is not None)):
             dy = dy.contiguous()  # traced by torch.compile on CUDA: the kernel as a custom op
             scale, amax_out, from_amax = self._op_args(dy, None)
             data, data_t, scale_inv, db = _cast_ops.cast_transpose_dbias_fp8(dy, scale, self.fp8_dtype, amax_out,
@@ -198,12 +199,6 @@ class Quantizer:
     def __repr__(self) -> str:
         return (f"Quantizer(role={self.role!r}, kind={self.kind!r}, fp8_dtype={self.fp8_dtype}, "
                 f"record_amax={self.record_amax})")
-
-
-def _compiled_ops(x: torch.Tensor) -> bool:
-    """True while ``torch.compile`` traces a cast of CUDA tensor ``x`` (Triton installed): the cast kernels then run
-    as custom ops (:mod:`fp8engine.ops.kernel_ops`)."""
-    return _cast_ops.compiled_kernel_ops(x)
 
 
 class LinearQuantizers(NamedTuple):

@@ -115,14 +115,11 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     shape = (x.shape[-1],)
     if not rms:
         y, mean, rstd = torch.native_layer_norm(x, shape, gamma, bias, eps)
-    elif _HAS_FUSED_RMS and not torch.compiler.is_compiling():
+    elif _HAS_FUSED_RMS:  # (traced by torch.compile, RMSNorm takes the op path above: _op_path)
         (y, rstd), mean = torch._fused_rms_norm(x, shape, gamma, eps), None
-    else:  # older torch, or traced by torch.compile (Dynamo cannot trace _fused_rms_norm): fp32 math (the kernel's)
+    else:  # older torch: fp32 math, as the kernel reference
         mean, rstd = None, torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-        y = x.float() * rstd * gamma.float()
-        # no no-op .to: under torch 2.11's Dynamo an fp32 autograd.Function output made by a no-op .to(dtype) got
-        # a zero gradient (compiled fp32 RMSNorm: x.grad == 0; tests/compile/test_kernel_ops.py)
-        y = _to(y, x.dtype)
+        y = (x.float() * rstd * gamma.float()).to(x.dtype)
     y_fp8 = None
     if quantizer is not None:
         y_fp8 = quantizer.quantize(y.reshape(-1, shape[0]), transpose=transpose)
@@ -138,9 +135,10 @@ def _fuses_cast(x: torch.Tensor, quantizer: Optional[Quantizer]) -> bool:
 
 def _op_path(x: torch.Tensor, quantizer: Optional[Quantizer], rms: bool) -> bool:
     """True when :func:`norm_fwd` runs the norm kernel as a custom op (:mod:`fp8engine.ops.kernel_ops`): traced by
-    ``torch.compile`` and either fusing the FP8 cast (:func:`_fuses_cast`) or RMSNorm on any device (torch 2.11's
-    Dynamo returned wrong input gradients for the traced plain-PyTorch RMSNorm with a residual: 12 dB against
-    eager; the op, opaque to it, runs the kernel on CUDA and its reference elsewhere). Its mean / rstd then have the
+    ``torch.compile`` and either fusing the FP8 cast (:func:`_fuses_cast`) or RMSNorm on any device (Dynamo cannot
+    trace ``torch._fused_rms_norm``, and torch 2.11's Dynamo returned wrong input gradients for the traced fp32-math
+    RMSNorm: 12 dB against eager with a residual, zero for fp32 inputs; the op, opaque to it, runs the kernel on
+    CUDA and its reference elsewhere). Its mean / rstd then have the
     kernel's layout, which :func:`norm_bwd` is told with ``op_path``."""
     return torch.compiler.is_compiling() and (rms or _fuses_cast(x, quantizer))
 
@@ -183,12 +181,7 @@ def _norm_bwd_torch(dy, x, mean, rstd, weight, rms, zero_centered_gamma, has_bia
     wdy = dy.float() * gamma.float()
     dx = rstd * (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True))
     dw = (dy.float() * xhat).reshape(-1, shape[0]).sum(0)
-    return _to(dx, x.dtype), _to(dw, weight.dtype), None
-
-
-def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` without the no-op call when it has that dtype already (see the RMSNorm forward above)."""
-    return t if t.dtype == dtype else t.to(dtype)
+    return dx.to(x.dtype), dw.to(weight.dtype), None
 
 
 class _NormCast(torch.autograd.Function):
