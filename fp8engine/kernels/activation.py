@@ -46,6 +46,7 @@ from ._common import (
     check_scalar_f32,
     fp8_cvt_mode,
     fp8_format,
+    launch,
     new_scale_inv,
     quantize_reference,
     scale_inv_reference,
@@ -283,11 +284,11 @@ def _act_fwd(x, act, scale, fp8_dtype, amax_out, return_hp, op):
     if act == _SWIGLU:
         m = as_2d(x).shape[0]
         grid = (max(1, triton.cdiv(m, FWD_BLOCK_M)), max(1, triton.cdiv(n, FWD_BLOCK_N)))
-        _swiglu_fwd_kernel[grid](*ptrs, m, n, BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, **flags)
+        launch(_swiglu_fwd_kernel, grid, *ptrs, m, n, BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, **flags)
     else:
         numel = x.numel()
-        _act_fwd_flat_kernel[(max(1, triton.cdiv(numel, FWD_BLOCK)),)](*ptrs, numel, ACT=act, BLOCK=FWD_BLOCK,
-                                                                       **flags)
+        launch(_act_fwd_flat_kernel, (max(1, triton.cdiv(numel, FWD_BLOCK)),), *ptrs, numel, ACT=act,
+               BLOCK=FWD_BLOCK, **flags)
     return y, y8, scale_inv
 
 
@@ -313,7 +314,7 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
     grid_m = max(1, triton.cdiv(m, BWD_BLOCK_M))
     parts = torch.empty((grid_m, nc), dtype=torch.float32, device=x.device)
     grid = (grid_m, max(1, triton.cdiv(n, BWD_BLOCK_N)))
-    _act_bwd_kernel[grid](
+    launch(_act_bwd_kernel, grid,
         dy, x, dx.view(torch.uint8) if is_fp8 else dx, dx_t.view(torch.uint8) if is_fp8 else dx,
         scale if is_fp8 else parts, scale_inv if is_fp8 else parts, amax_out if amax_out is not None else parts,
         parts, m, n,

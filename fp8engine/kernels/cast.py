@@ -34,6 +34,7 @@ from ._common import (
     check_scalar_f32,
     fp8_cvt_mode,
     fp8_format,
+    launch,
     new_scale_inv,
     quantize_reference,
     scale_from_amax_reference,
@@ -185,8 +186,8 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     m, n = x2.shape
     out = torch.empty((n, m), dtype=data.dtype, device=data.device)
     grid = (max(1, triton.cdiv(m, BYTE_TILE_M)), max(1, triton.cdiv(n, BYTE_TILE_N)))
-    _transpose_bytes_kernel[grid](x2.view(torch.uint8), out.view(torch.uint8), m, n, BLOCK_M=BYTE_TILE_M,
-                                  BLOCK_N=BYTE_TILE_N, num_warps=4)
+    launch(_transpose_bytes_kernel, grid, x2.view(torch.uint8), out.view(torch.uint8), m, n, BLOCK_M=BYTE_TILE_M,
+           BLOCK_N=BYTE_TILE_N, num_warps=4)
     return out
 
 
@@ -210,7 +211,7 @@ def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbi
     scale_inv = new_scale_inv(x2.device)
     grid_m, grid_n = max(1, triton.cdiv(m, TILE_M)), max(1, triton.cdiv(n, TILE_N))
     parts = torch.empty((grid_m, n), dtype=torch.float32, device=x2.device) if dbias_dtype is not None else None
-    _cast_transpose_kernel[(grid_m, grid_n)](
+    launch(_cast_transpose_kernel, (grid_m, grid_n),
         x2, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
         amax_out if amax_out is not None else scale_inv, parts if parts is not None else scale_inv, m, n,
         FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=not _hw_cvt_ok(x2)),
@@ -260,7 +261,7 @@ def cast_to_fp8(
         return data, data_t, scale_inv
     scale_inv = new_scale_inv(x.device)
     n = x.numel()
-    _cast_kernel[(max(1, triton.cdiv(n, CAST_BLOCK)),)](
+    launch(_cast_kernel, (max(1, triton.cdiv(n, CAST_BLOCK)),),
         x, data.view(torch.uint8), scale, scale_inv, amax_out if amax_out is not None else scale_inv, n,
         FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(), WRITE_OUT=True,
         HAS_AMAX=amax_out is not None, BLOCK=CAST_BLOCK, SCALE_FROM_AMAX=scale_from_amax,
@@ -301,7 +302,7 @@ def compute_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
         raise ValueError("compute_amax: amax_out is required (a 1-element fp32 tensor)")
     check_scalar_f32(amax_out, "amax_out", x.device, "compute_amax")
     n = x.numel()
-    _cast_kernel[(max(1, triton.cdiv(n, CAST_BLOCK)),)](
+    launch(_cast_kernel, (max(1, triton.cdiv(n, CAST_BLOCK)),),
         x, amax_out, amax_out, amax_out, amax_out, n, FP8_MAX=448.0, IS_E4M3=True, CVT=CVT_EMULATE,
         WRITE_OUT=False, HAS_AMAX=True, BLOCK=CAST_BLOCK,
     )  # fmt: skip

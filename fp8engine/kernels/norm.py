@@ -44,6 +44,7 @@ from ._common import (
     fp8_cvt_mode,
     fp8_format,
     interpreting,
+    launch,
     new_scale_inv,
     quantize_reference,
     scale_inv_reference,
@@ -266,7 +267,7 @@ def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     block_m, block_n, num_warps = _tile(n)
     dummy = rstd
-    _norm_fwd_kernel[(max(1, triton.cdiv(m, block_m)),)](
+    launch(_norm_fwd_kernel, (max(1, triton.cdiv(m, block_m)),),
         x2, residual if residual is not None else dummy, residual_out if residual_out is not None else dummy,
         weight, bias if bias is not None else dummy, y if y is not None else dummy,
         y8.view(torch.uint8) if y8 is not None else dummy, scale if write_fp8 else dummy,
@@ -309,7 +310,7 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op, dresid
     dx = torch.empty_like(x)
     part_n = n if is_rms else 2 * n
     part = torch.empty((programs, part_n), dtype=torch.float32, device=x.device)
-    _norm_bwd_kernel[(programs,)](
+    launch(_norm_bwd_kernel, (programs,),
         dy, x2, weight, mean if mean is not None else rstd, rstd, dresidual if dresidual is not None else dx, dx,
         part, m, n, part_n, IS_RMS=is_rms, ZERO_CENTERED=zero_centered_gamma, HAS_DRES=dresidual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,

@@ -52,6 +52,7 @@ from ._common import (
     check_scalar_f32,
     fp8_cvt_mode,
     fp8_format,
+    launch,
     new_scale_inv,
     sum_partials,
     tl,
@@ -213,7 +214,7 @@ def qkv_grad_cast_transpose_dbias(
     parts = torch.empty((grid[0], c), dtype=torch.float32, device=dq.device)
     # the decision cast_transpose_dbias makes for the assembled [T, C] buffer (a meta tensor: shape + dtype only)
     hw_ok = _hw_cvt_ok(torch.empty((t, c), dtype=dq.dtype, device="meta"))
-    _qkv_grad_cast_transpose_kernel[grid](
+    launch(_qkv_grad_cast_transpose_kernel, grid,
         dq, dk, dv, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
         amax_out if amax_out is not None else scale_inv, parts, t, c, b,
         *dq.stride(), *dk.stride(), *dv.stride(),

@@ -24,7 +24,7 @@ import itertools
 
 import torch
 
-from ._common import check_launchable, tl, triton
+from ._common import check_launchable, launch, tl, triton
 
 __all__ = ["delayed_scaling_update", "delayed_scaling_update_reference"]
 
@@ -142,7 +142,7 @@ def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin, algo="m
     hist_ptrs, scale_ptrs, max_ptrs, ends = _pointer_tables(amax_histories, scales, fp8_maxes, rows, device)
     flag_tensor = isinstance(update_scale, torch.Tensor)
     n_t = len(rows)
-    _delayed_scaling_kernel[(sum(rows),)](
+    launch(_delayed_scaling_kernel, (sum(rows),),
         hist_ptrs, scale_ptrs, max_ptrs, ends,
         update_scale.reshape(1) if flag_tensor else ends, n_t, L, float(2.0**margin),
         MOST_RECENT=algo == "most_recent", UPDATE=flag_tensor or bool(update_scale), FLAG_FROM_TENSOR=flag_tensor,
