@@ -61,8 +61,13 @@ HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 
+#: Whether the kernels run under Triton's interpreter: ``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel module
+#: is imported (with this one), so a later change of the variable does not change which kernels run.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
 
 
 #: How a kernel converts fp32 to FP8 bits (its ``CVT`` constexpr): Triton's conversion (``.to(tl.float8e4nv)``),
