@@ -140,6 +140,18 @@ def _direct_entry(kernel, compiled, n_args: int, meta: dict):
     return compiled.run, compiled.function, compiled.packed_metadata, tuple(tail)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids. ``triton.cdiv`` is a ``constexpr_function`` in Triton 3.6+: each call
+    from Python goes through its JIT-call wrapper (~37 calls per FP8 layer step, 0.24 ms of the step's host time
+    under cProfile on the H100)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), as ``triton.next_power_of_2`` without its wrapper."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def launch(kernel, grid: tuple, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)`` at a third of the host cost once the specialization has launched before.
 

@@ -41,6 +41,7 @@ from ._common import (
     amax_reference,
     as_2d,
     atomic_max_reference,
+    cdiv,
     check_hp,
     check_launchable,
     check_scalar_f32,
@@ -283,11 +284,11 @@ def _act_fwd(x, act, scale, fp8_dtype, amax_out, return_hp, op):
                  IS_E4M3=is_e4m3, CVT=fp8_cvt_mode())
     if act == _SWIGLU:
         m = as_2d(x).shape[0]
-        grid = (max(1, triton.cdiv(m, FWD_BLOCK_M)), max(1, triton.cdiv(n, FWD_BLOCK_N)))
+        grid = (max(1, cdiv(m, FWD_BLOCK_M)), max(1, cdiv(n, FWD_BLOCK_N)))
         launch(_swiglu_fwd_kernel, grid, *ptrs, m, n, BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, **flags)
     else:
         numel = x.numel()
-        launch(_act_fwd_flat_kernel, (max(1, triton.cdiv(numel, FWD_BLOCK)),), *ptrs, numel, ACT=act,
+        launch(_act_fwd_flat_kernel, (max(1, cdiv(numel, FWD_BLOCK)),), *ptrs, numel, ACT=act,
                BLOCK=FWD_BLOCK, **flags)
     return y, y8, scale_inv
 
@@ -311,9 +312,9 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
     dx = torch.empty(x.shape, dtype=fp8_dtype if is_fp8 else dy.dtype, device=x.device)
     dx_t = torch.empty((nc, m), dtype=fp8_dtype, device=x.device) if is_fp8 else None
     scale_inv = new_scale_inv(x.device) if is_fp8 else None
-    grid_m = max(1, triton.cdiv(m, BWD_BLOCK_M))
+    grid_m = max(1, cdiv(m, BWD_BLOCK_M))
     parts = torch.empty((grid_m, nc), dtype=torch.float32, device=x.device)
-    grid = (grid_m, max(1, triton.cdiv(n, BWD_BLOCK_N)))
+    grid = (grid_m, max(1, cdiv(n, BWD_BLOCK_N)))
     launch(_act_bwd_kernel, grid,
         dy, x, dx.view(torch.uint8) if is_fp8 else dx, dx_t.view(torch.uint8) if is_fp8 else dx,
         scale if is_fp8 else parts, scale_inv if is_fp8 else parts, amax_out if amax_out is not None else parts,
@@ -321,7 +322,7 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
         ACT=act, IS_FP8=is_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
         CVT=fp8_cvt_mode(tiled_transpose=True), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
-    dbias = sum_partials(parts[: triton.cdiv(m, BWD_BLOCK_M)], dy.dtype)
+    dbias = sum_partials(parts[: cdiv(m, BWD_BLOCK_M)], dy.dtype)
     return dx, dx_t, scale_inv, dbias
 
 

@@ -33,6 +33,7 @@ from ._common import (
     _masked_abs,
     _quantize,
     as_2d,
+    cdiv,
     check_hp,
     check_launchable,
     fp8_cvt_mode,
@@ -127,7 +128,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: bool, transp
     fp8_max, is_e4m3 = _check(x, fp8_dtype, op)
     x2 = as_2d(x)
     m, k = x2.shape
-    mb, kb = triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK)
+    mb, kb = cdiv(m, BLOCK), cdiv(k, BLOCK)
     dev = x.device
     data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
     if mode == _MODE_1X128:

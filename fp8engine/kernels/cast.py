@@ -29,6 +29,7 @@ from ._common import (
     amax_reference,
     as_2d,
     atomic_max_reference,
+    cdiv,
     check_hp,
     check_launchable,
     check_scalar_f32,
@@ -185,7 +186,7 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     x2 = as_2d(data)
     m, n = x2.shape
     out = torch.empty((n, m), dtype=data.dtype, device=data.device)
-    grid = (max(1, triton.cdiv(m, BYTE_TILE_M)), max(1, triton.cdiv(n, BYTE_TILE_N)))
+    grid = (max(1, cdiv(m, BYTE_TILE_M)), max(1, cdiv(n, BYTE_TILE_N)))
     launch(_transpose_bytes_kernel, grid, x2.view(torch.uint8), out.view(torch.uint8), m, n, BLOCK_M=BYTE_TILE_M,
            BLOCK_N=BYTE_TILE_N, num_warps=4)
     return out
@@ -209,7 +210,7 @@ def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbi
     m, n = x2.shape
     data_t = torch.empty((n, m), dtype=fp8_dtype, device=x2.device)
     scale_inv = new_scale_inv(x2.device)
-    grid_m, grid_n = max(1, triton.cdiv(m, TILE_M)), max(1, triton.cdiv(n, TILE_N))
+    grid_m, grid_n = max(1, cdiv(m, TILE_M)), max(1, cdiv(n, TILE_N))
     parts = torch.empty((grid_m, n), dtype=torch.float32, device=x2.device) if dbias_dtype is not None else None
     launch(_cast_transpose_kernel, (grid_m, grid_n),
         x2, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
@@ -218,7 +219,7 @@ def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbi
         HAS_AMAX=amax_out is not None, HAS_DBIAS=parts is not None, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
         SCALE_FROM_AMAX=scale_from_amax,
     )  # fmt: skip
-    dbias = sum_partials(parts[: triton.cdiv(m, TILE_M)], dbias_dtype) if parts is not None else None
+    dbias = sum_partials(parts[: cdiv(m, TILE_M)], dbias_dtype) if parts is not None else None
     return data_t, scale_inv, dbias
 
 
@@ -261,7 +262,7 @@ def cast_to_fp8(
         return data, data_t, scale_inv
     scale_inv = new_scale_inv(x.device)
     n = x.numel()
-    launch(_cast_kernel, (max(1, triton.cdiv(n, CAST_BLOCK)),),
+    launch(_cast_kernel, (max(1, cdiv(n, CAST_BLOCK)),),
         x, data.view(torch.uint8), scale, scale_inv, amax_out if amax_out is not None else scale_inv, n,
         FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(), WRITE_OUT=True,
         HAS_AMAX=amax_out is not None, BLOCK=CAST_BLOCK, SCALE_FROM_AMAX=scale_from_amax,
@@ -302,7 +303,7 @@ def compute_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
         raise ValueError("compute_amax: amax_out is required (a 1-element fp32 tensor)")
     check_scalar_f32(amax_out, "amax_out", x.device, "compute_amax")
     n = x.numel()
-    launch(_cast_kernel, (max(1, triton.cdiv(n, CAST_BLOCK)),),
+    launch(_cast_kernel, (max(1, cdiv(n, CAST_BLOCK)),),
         x, amax_out, amax_out, amax_out, amax_out, n, FP8_MAX=448.0, IS_E4M3=True, CVT=CVT_EMULATE,
         WRITE_OUT=False, HAS_AMAX=True, BLOCK=CAST_BLOCK,
     )  # fmt: skip

@@ -38,6 +38,7 @@ from ._common import (
     amax_reference,
     as_2d,
     atomic_max_reference,
+    cdiv,
     check_hp,
     check_launchable,
     check_scalar_f32,
@@ -46,6 +47,7 @@ from ._common import (
     interpreting,
     launch,
     new_scale_inv,
+    next_power_of_2,
     quantize_reference,
     scale_inv_reference,
     sum_partials,
@@ -79,7 +81,7 @@ INTERPRET_BWD_PROGRAMS = 8
 
 
 def _tile(n: int) -> tuple[int, int, int]:
-    block_n = triton.next_power_of_2(max(n, 1))
+    block_n = next_power_of_2(max(n, 1))
     block_m = max(1, min(64, NORM_TILE // block_n))
     num_warps = min(16, max(4, block_n // 1024))  # more warps for wider rows; N = 4096: 4 (tools/norm_kernel_tiles.py)
     return block_m, block_n, num_warps
@@ -267,7 +269,7 @@ def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     block_m, block_n, num_warps = _tile(n)
     dummy = rstd
-    launch(_norm_fwd_kernel, (max(1, triton.cdiv(m, block_m)),),
+    launch(_norm_fwd_kernel, (max(1, cdiv(m, block_m)),),
         x2, residual if residual is not None else dummy, residual_out if residual_out is not None else dummy,
         weight, bias if bias is not None else dummy, y if y is not None else dummy,
         y8.view(torch.uint8) if y8 is not None else dummy, scale if write_fp8 else dummy,
@@ -301,7 +303,7 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op, dresid
         if t is not None and (t.dtype != torch.float32 or t.numel() != m or not t.is_contiguous()):
             raise TypeError(f"{op}: {name} must be a contiguous fp32 tensor of {m} elements (one per row)")
     block_m, block_n, num_warps = _tile(n)
-    tiles = triton.cdiv(m, block_m)
+    tiles = cdiv(m, block_m)
     if interpreting() or not x.is_cuda:
         programs = min(tiles, INTERPRET_BWD_PROGRAMS)
     else:

@@ -48,6 +48,7 @@ from ._common import (
     _abs_max,
     _store_tile,
     _write_scale_inv,
+    cdiv,
     check_launchable,
     check_scalar_f32,
     fp8_cvt_mode,
@@ -210,7 +211,7 @@ def qkv_grad_cast_transpose_dbias(
     data = torch.empty((t, c), dtype=fp8_dtype, device=dq.device)
     data_t = torch.empty((c, t), dtype=fp8_dtype, device=dq.device)
     scale_inv = new_scale_inv(dq.device)
-    grid = (triton.cdiv(t, TILE_M), triton.cdiv(c, TILE_N))
+    grid = (cdiv(t, TILE_M), cdiv(c, TILE_N))
     parts = torch.empty((grid[0], c), dtype=torch.float32, device=dq.device)
     # the decision cast_transpose_dbias makes for the assembled [T, C] buffer (a meta tensor: shape + dtype only)
     hw_ok = _hw_cvt_ok(torch.empty((t, c), dtype=dq.dtype, device="meta"))

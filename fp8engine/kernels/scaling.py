@@ -24,7 +24,7 @@ import itertools
 
 import torch
 
-from ._common import check_launchable, launch, tl, triton
+from ._common import cdiv, check_launchable, launch, next_power_of_2, tl, triton
 
 __all__ = ["delayed_scaling_update", "delayed_scaling_update_reference"]
 
@@ -146,7 +146,7 @@ def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin, algo="m
         hist_ptrs, scale_ptrs, max_ptrs, ends,
         update_scale.reshape(1) if flag_tensor else ends, n_t, L, float(2.0**margin),
         MOST_RECENT=algo == "most_recent", UPDATE=flag_tensor or bool(update_scale), FLAG_FROM_TENSOR=flag_tensor,
-        BLOCK_T=triton.next_power_of_2(n_t), BLOCK_L=triton.next_power_of_2(L), num_warps=1 if L <= 256 else 4,
+        BLOCK_T=next_power_of_2(n_t), BLOCK_L=next_power_of_2(L), num_warps=1 if L <= 256 else 4,
     )  # fmt: skip
 
 

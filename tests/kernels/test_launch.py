@@ -120,3 +120,13 @@ def test_direct_launch_bits_equal_triton_launch_cuda(transpose, monkeypatch):
             assert torch.equal(data_t.view(torch.uint8), ref[1].view(torch.uint8)), f"launch {i}"
         assert torch.equal(scale_inv, ref[2]) and amax.item() == x.abs().max().float().item()
     assert any(v for v in common._LAUNCHES.values()), "no launch took the direct path"
+
+
+def test_cdiv_and_next_power_of_2_match_triton():
+    """The launch-grid helpers that replace Triton's (a JIT-call wrapper per call) give the same integers."""
+    triton = pytest.importorskip("triton")
+    for a in range(0, 600):
+        for b in (1, 3, 16, 64, 128):
+            assert common.cdiv(a, b) == (a + b - 1) // b
+    for n in range(1, 5000):
+        assert common.next_power_of_2(n) == triton.next_power_of_2(n)
