@@ -322,7 +322,7 @@ def _act_bwd(dy, x, act, scale, fp8_dtype, amax_out, op):
         ACT=act, IS_FP8=is_fp8, HAS_AMAX=amax_out is not None, FP8_MAX=fp8_max, IS_E4M3=is_e4m3,
         CVT=fp8_cvt_mode(tiled_transpose=True), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
-    dbias = sum_partials(parts[: cdiv(m, BWD_BLOCK_M)], dy.dtype)
+    dbias = sum_partials(parts if m else parts[:0], dy.dtype)  # m = 0: one program, no rows summed
     return dx, dx_t, scale_inv, dbias
 
 

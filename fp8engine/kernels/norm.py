@@ -28,6 +28,8 @@ N up to ``MAX_N`` = 32768 (the row lives in registers); larger N raises ValueErr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._common import (
@@ -80,6 +82,7 @@ NORM_BWD_WAVES = 2
 INTERPRET_BWD_PROGRAMS = 8
 
 
+@functools.lru_cache(maxsize=None)
 def _tile(n: int) -> tuple[int, int, int]:
     block_n = next_power_of_2(max(n, 1))
     block_m = max(1, min(64, NORM_TILE // block_n))
@@ -283,6 +286,12 @@ def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax_
     return y, y8, scale_inv, mean, rstd
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (looked up once: ``get_device_properties`` costs host time)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op, dresidual=None):
     check_launchable(x, op)
     check_hp(x, "x", op)
@@ -307,7 +316,7 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op, dresid
     if interpreting() or not x.is_cuda:
         programs = min(tiles, INTERPRET_BWD_PROGRAMS)
     else:
-        programs = min(tiles, NORM_BWD_WAVES * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        programs = min(tiles, NORM_BWD_WAVES * _sm_count(x.device.index))
     programs = max(programs, 1)
     dx = torch.empty_like(x)
     part_n = n if is_rms else 2 * n
@@ -320,7 +329,10 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rms, op, dresid
     if m == 0:
         part.zero_()
     sums = sum_partials(part, weight.dtype)  # [dgamma | dbeta]
-    return dx, sums[:n], (None if is_rms else sums[n:])
+    if is_rms:
+        return dx, sums, None
+    dgamma, dbeta = sums.split(n)
+    return dx, dgamma, dbeta
 
 
 def layernorm_fwd(x, weight, bias, eps, *, zero_centered_gamma=False, scale=None, fp8_dtype=None, amax_out=None,
