@@ -144,7 +144,6 @@ def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, am
             delayed_scaling_update([st.amax_history for st in states], [st.scale for st in states],
                                    [st.fp8_max(recipe) for st in states], margin=recipe.margin,
                                    algo=recipe.amax_compute_algo, update_scale=True)
-            for st in states:
-                st.update_step.add_(1)
+            torch._foreach_add_([st.update_step for st in states], 1)  # one launch for all counters
             return
     _update_torch(states, recipe)
