@@ -82,3 +82,34 @@ def test_nan_amax_never_overwrites_good_scale():
     st.amax_history[0, 0] = float("nan")
     reduce_and_update([st], recipe)
     assert torch.equal(st.scale, good)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_kernel_update_equals_torch_update_and_counts_steps(device):
+    """The fused kernel path of ``reduce_and_update`` (Triton on CUDA, or under TRITON_INTERPRET on CPU) gives the
+    torch path's scales and histories bit for bit, and advances every state's ``update_step`` once per call."""
+    from fp8engine.kernels._common import interpreting
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if device == "cpu" and not interpreting():
+        pytest.skip("the kernel path on CPU needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    from fp8engine.fp8.float8_tensor import kernels_forced
+
+    recipe = fe.DelayedScaling(amax_history_len=3, margin=1)
+    roles = ("input", "weight", "grad_output")
+    kern = [ScalingState(roles, amax_history_len=3, device=device) for _ in range(3)]
+    ref = [ScalingState(roles, amax_history_len=3, device=device) for _ in range(3)]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        for a, b in zip(kern, ref):
+            amax = (torch.rand(3, generator=gen) * 10).to(device)
+            a.amax_history[:, 0] = amax
+            b.amax_history[:, 0] = amax
+        with kernels_forced(device == "cpu"):
+            reduce_and_update(kern, recipe)
+        reduce_and_update(ref, fe.DelayedScaling(amax_history_len=3, margin=1, interval=1,
+                                                 amax_compute_algo=lambda h: h.amax(-1)))  # the torch path
+        for a, b in zip(kern, ref):
+            assert torch.equal(a.scale, b.scale) and torch.equal(a.amax_history, b.amax_history)
+            assert a.update_step.item() == b.update_step.item() == step + 1
