@@ -105,10 +105,11 @@ def test_switched_off(fake_gpu, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton launcher)")
 @pytest.mark.parametrize("transpose", [False, True])
-def test_direct_launch_bits_equal_triton_launch_cuda(transpose, monkeypatch):
+@pytest.mark.parametrize("shape", [(192, 256), (1, 16), (1151, 24)])  # (1, 16): Triton specializes M == 1
+def test_direct_launch_bits_equal_triton_launch_cuda(transpose, shape, monkeypatch):
     from fp8engine.kernels.cast import cast_to_fp8, cast_to_fp8_reference
 
-    x = torch.randn(192, 256, device="cuda", dtype=torch.bfloat16) * 3
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
     scale = torch.tensor([448.0 / 5], device="cuda")
     ref = cast_to_fp8_reference(x, scale, torch.float8_e4m3fn, transpose=transpose)
     monkeypatch.setattr(common, "_LAUNCHES", {})
