@@ -10,7 +10,7 @@ import fp8engine.modules as M
 import fp8engine.ops.mlp as mlp_ops
 from fp8engine.fp8.autocast import fp8_autocast
 from fp8engine.kernels import activation as ka
-from fp8engine.ops.kernel_ops import ACT_KINDS, act_bwd_fp8, act_fwd_fp8
+from fp8engine.ops.kernel_ops import ACT_KINDS, act_bwd_dbias_amax, act_bwd_fp8, act_fwd_amax, act_fwd_fp8
 from fp8engine.recipe import DelayedScaling
 from tests.conftest import DEVICES, sqnr
 
@@ -31,6 +31,8 @@ def test_opcheck(kind):
     scale = torch.tensor([4.0])
     torch.library.opcheck(act_fwd_fp8, (h, kind, scale, E4M3, torch.zeros(1)))
     torch.library.opcheck(act_bwd_fp8, (da, h, kind, scale, E5M2, torch.zeros(1)))
+    torch.library.opcheck(act_fwd_amax, (h, kind, torch.zeros(1)))  # current scaling's high-precision variants
+    torch.library.opcheck(act_bwd_dbias_amax, (da, h, kind, torch.zeros(1)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -52,6 +54,17 @@ def test_ops_equal_the_launchers(kind, device):
     for a, b in zip(out, ref):
         assert torch.equal(a.view(torch.uint8) if a.dtype == E5M2 else a, b.view(torch.uint8) if b.dtype == E5M2 else b)
     assert torch.equal(amax_op, amax_ref)
+    # current scaling's variants: high precision and the amax of the values written
+    amax_op, amax_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    y = act_fwd_amax(h, kind, amax_op)
+    y_ref, _, _ = fwd(h, return_hp=True, amax_out=amax_ref)
+    assert y.dtype == h.dtype and torch.equal(y, y_ref) and torch.equal(amax_op, amax_ref)
+    assert amax_op.item() == y.abs().max().item() > 0
+    amax_op.zero_(), amax_ref.zero_()
+    dh, db = act_bwd_dbias_amax(da, h, kind, amax_op)
+    dh_ref, _, _, db_ref = bwd(da, h, None, None, amax_ref)
+    assert dh.dtype == da.dtype and torch.equal(dh, dh_ref) and torch.equal(db, db_ref)
+    assert torch.equal(amax_op, amax_ref) and amax_op.item() == dh.abs().max().item() > 0
 
 
 def _three_steps_agree(eager, compiled, recipe, min_db):
@@ -118,6 +131,8 @@ def test_cast_and_norm_opcheck():
         for residual in (None, _x("cpu", seed=2)):
             args = (x, w, None if rms else b, residual, 1e-5, rms, False, scale, E4M3, torch.zeros(1), True)
             torch.library.opcheck(norm_fwd_fp8, args)
+            # current scaling: no FP8 output, y and the amax of the y written
+            torch.library.opcheck(norm_fwd_fp8, (*args[:7], None, None, torch.zeros(1), True))
             _, _, _, mean, rstd, _ = norm_fwd_fp8(*args)
             torch.library.opcheck(norm_bwd, (_x("cpu", seed=3), x, mean, rstd, w, residual, rms, False))
 
@@ -155,6 +170,13 @@ def test_cast_and_norm_ops_equal_the_launchers(device):
                                                                       amax_out=a_ref, residual=res, residual_out=r_out)
     for a, b_ in ((y, ry), (y8, ry8), (sinv, rsinv), (mean, rmean), (rstd, rrstd), (s, r_out), (a_op, a_ref)):
         assert torch.equal(u8(a), u8(b_))
+    # current scaling's mode: y and the amax of the y written, no FP8 output
+    a_op, a_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    y_c, y8_c, sinv_c, _, _, _ = norm_fwd_fp8(x, w, b, res, 1e-5, False, False, None, None, a_op, True)
+    ry_c = getattr(kn, "layernorm_fwd" + sfx)(x, w, b, 1e-5, amax_out=a_ref, residual=res,
+                                              residual_out=torch.empty_like(x))[0]
+    assert torch.equal(y_c, ry_c) and torch.equal(a_op, a_ref) and a_op.item() == y_c.abs().max().item()
+    assert y8_c.numel() == 0 and sinv_c.numel() == 0
     dx, dw, db = norm_bwd(dy, s, mean, rstd, w, res, False, False)
     rdx, rdw, rdb = getattr(kn, "layernorm_bwd" + sfx)(dy, r_out, rmean, rrstd, w, dresidual=res)
     assert torch.equal(dx, rdx) and torch.equal(dw, rdw) and torch.equal(db, rdb)
@@ -228,3 +250,4 @@ def test_compiled_norm_with_residual_matches_eager(rms):
         grads.append((x.grad, r.grad, wi.grad))
     for a, c in zip(*grads):
         assert sqnr(a, c) > 100
+
