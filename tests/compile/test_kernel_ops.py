@@ -182,15 +182,18 @@ def test_cast_and_norm_ops_equal_the_launchers(device):
     assert torch.equal(dx, rdx) and torch.equal(dw, rdw) and torch.equal(db, rdb)
 
 
-@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_compiled_layer_through_the_cast_and_norm_ops(monkeypatch, recipe_name, normalization):
+@pytest.mark.parametrize("recipe_name,normalization,activation", [
+    ("delayed", "LayerNorm", "gelu"), ("delayed", "RMSNorm", "gelu"), ("current", "LayerNorm", "gelu"),
+    ("current", "RMSNorm", "gelu"), ("current", "LayerNorm", "swiglu"), ("current", "RMSNorm", "swiglu")])
+def test_compiled_layer_through_the_kernel_ops(monkeypatch, recipe_name, normalization, activation):
     """A compiled ``TransformerLayer`` (Inductor, CPU) with every kernel op forced on (what CUDA takes by itself),
     three steps against eager mode. Bounds: outputs and input gradients within 25 dB (the op path runs the
-    kernels' fp32 references where eager CPU mode runs torch's norms and GELU: the same functions rounded
-    differently, then FP8-cast, ~2^-4 relative per e4m3 step, through two sublayers), and the ops are called:
-    norm forward (delayed scaling only: current scaling needs the amax before the cast) and backward, the cast,
-    and the cast-transpose with dbias."""
+    kernels' fp32 references where eager CPU mode runs torch's norms and activations: the same functions rounded
+    differently, then FP8-cast, ~2^-4 relative per e4m3 step, through two sublayers). The ops are called, counted
+    at run time (they are opaque to the trace): the cast and the cast-transpose with dbias, and once per step the
+    norm forward and backward of both sublayers and the activation forward and backward, under both recipes
+    (current scaling: the norm and activation write high precision and its amax, then the cast op scales by it)."""
+    import fp8engine.fp8.cast_ops as co
     import fp8engine.ops.kernel_ops as ko
     import fp8engine.ops.norm_linear as nl
     from fp8engine.recipe import CurrentScaling
@@ -198,34 +201,34 @@ def test_compiled_layer_through_the_cast_and_norm_ops(monkeypatch, recipe_name, 
     torch._dynamo.reset()
     calls = {}
 
-    def counting(launchers):  # counts the launchers the ops run (at run time: the ops are opaque to the trace)
-        def wrapped(*args):
-            def count(fn):
-                def f(*a, **k):
-                    calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
-                    return fn(*a, **k)
-                return f
-            return tuple(count(fn) for fn in launchers(*args))
-        return wrapped
+    def count(fn):
+        def f(*a, **k):
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
+            return fn(*a, **k)
+        return f
 
-    import fp8engine.fp8.cast_ops as co
+    def counting(launchers):  # the launchers an op picks, counted when called
+        return lambda *args: tuple(count(fn) for fn in launchers(*args))
 
     forced = lambda x: torch.compiler.is_compiling()  # noqa: E731
     for mod in (co, ko, nl, mlp_ops):
         monkeypatch.setattr(mod, "compiled_kernel_ops", forced)
     monkeypatch.setattr(co, "_cast_launchers", counting(co._cast_launchers))
     monkeypatch.setattr(ko, "_norm_launchers", counting(ko._norm_launchers))
+    act_launcher = ko._launcher
+    monkeypatch.setattr(ko, "_launcher", lambda *args: count(act_launcher(*args)))
     torch.manual_seed(0)
-    eager = M.TransformerLayer(64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization=normalization)
+    eager = M.TransformerLayer(64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization=normalization,
+                               activation=activation)
     compiled_mod = copy.deepcopy(eager)
     compiled = torch.compile(compiled_mod, fullgraph=True)
     recipe = DelayedScaling(amax_history_len=4) if recipe_name == "delayed" else CurrentScaling()
     _three_steps_agree(eager, compiled, recipe, min_db=25)
     norm = "rmsnorm" if normalization == "RMSNorm" else "layernorm"
-    expected = {"cast_to_fp8_reference", "cast_transpose_dbias_reference"}
-    if recipe_name == "delayed":
-        expected |= {f"{norm}_fwd_reference", f"{norm}_bwd_reference"}
-    assert expected <= set(calls), calls
+    fwd, bwd = ACT_KINDS[activation]
+    assert {"cast_to_fp8_reference", "cast_transpose_dbias_reference"} <= set(calls), calls
+    want = {f"{norm}_fwd_reference": 6, f"{norm}_bwd_reference": 6, f"{fwd}_reference": 3, f"{bwd}_reference": 3}
+    assert {k: calls.get(k) for k in want} == want, calls
 
 
 @pytest.mark.parametrize("rms", [False, True])
@@ -251,3 +254,84 @@ def test_compiled_norm_with_residual_matches_eager(rms):
     for a, c in zip(*grads):
         assert sqnr(a, c) > 100
 
+
+def _current_scaling_both_ways(monkeypatch, device):
+    """Compiled current scaling against eager mode's kernel path, on ``device``: returns the context eager mode runs
+    its kernels in. CUDA: the kernels, which compiled code reaches through the ops by itself. CPU: the ops are forced
+    on (they run the launchers' references) and eager mode's kernel composition runs with every launcher replaced by
+    its reference (under ``kernels_forced``), so both sides call the same functions."""
+    import fp8engine.fp8.cast_ops as co
+    import fp8engine.ops.norm_linear as nl
+    from fp8engine.fp8.float8_tensor import kernels_forced
+    from fp8engine.kernels import cast as kc, norm as kn
+
+    torch._dynamo.reset()
+    if device == "cpu":
+        forced = lambda x: torch.compiler.is_compiling()  # noqa: E731
+        for mod in (co, nl, mlp_ops):
+            monkeypatch.setattr(mod, "compiled_kernel_ops", forced)
+        launchers = ((kc, ("cast_to_fp8", "cast_transpose_dbias")), (ka, sum(ACT_KINDS.values(), ())),
+                     (kn, ("layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd")))
+        for mod, names in launchers:
+            for name in names:
+                monkeypatch.setattr(mod, name, getattr(mod, name + "_reference"))
+    return kernels_forced(device == "cpu")
+
+
+def _fields(t):
+    return t.data.view(torch.uint8), t.transpose_2d().view(torch.uint8), t.scale_inv
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_compiled_current_scaling_activation_equals_eager_kernels(monkeypatch, kind, device):
+    """Exact: under current scaling the compiled activation (``act_fwd_amax`` then ``cast_fp8`` with the kernel's
+    amax) and its backward (``act_bwd_dbias_amax`` then ``cast_fp8`` with the transpose) write the bits eager mode's
+    kernels write: FP8 data, transposed data, scale_inv, dbias. 67 rows (odd: partial tiles)."""
+    from fp8engine.fp8.quantizer import Quantizer
+    from fp8engine.ops.mlp import act_bwd_cast, act_fwd_cast
+
+    eager_kernels = _current_scaling_both_ways(monkeypatch, device)
+    h, da = _inputs(kind, device, rows=67)
+    fwd_q, bwd_q = Quantizer(E4M3, "current", role="fc2_input"), Quantizer(E5M2, "current", role="fc1_grad_output")
+
+    def step(h, da):
+        dh, dbias = act_bwd_cast(da, h, kind, bwd_q, transpose=True, dbias=True)
+        return (*_fields(act_fwd_cast(h, kind, fwd_q, transpose=True)), *_fields(dh), dbias)
+
+    got = torch.compile(step, fullgraph=True)(h, da)
+    with eager_kernels:
+        want = step(h, da)
+    assert got[0].shape == (67, h.shape[1] // (2 if kind == "swiglu" else 1))
+    for name, a, b in zip(("y8", "y8_t", "scale_inv", "dh8", "dh8_t", "scale_inv", "dbias"), got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_compiled_current_scaling_norm_equals_eager_kernels(monkeypatch, rms, device):
+    """Exact: under current scaling the compiled norm with a residual (``norm_fwd_fp8`` writing y and its amax, then
+    ``cast_fp8`` with that amax and the transpose) writes the bits eager mode's kernels write, and its backward
+    (``norm_bwd``) the same gradients. 67 rows."""
+    from fp8engine.fp8.quantizer import Quantizer
+    from fp8engine.ops.norm_linear import norm_bwd, norm_fwd
+
+    eager_kernels = _current_scaling_both_ways(monkeypatch, device)
+    x, res, dy = _x(device, rows=67), _x(device, rows=67, seed=2), _x(device, rows=67, seed=3)
+    w = torch.randn(96, device=device).to(torch.bfloat16)
+    b = None if rms else torch.randn(96, device=device).to(torch.bfloat16)
+    q = Quantizer(E4M3, "current", role="fc1_input")
+
+    def step(x, res, dy):
+        y, y_fp8, mean, rstd, s = norm_fwd(x, w, b, 1e-5, rms=rms, zero_centered_gamma=False, quantizer=q,
+                                           transpose=True, residual=res)
+        op_path = torch.compiler.is_compiling()  # the compiled forward ran the op, whose mean / rstd layout it reads
+        dx, dw, db = norm_bwd(dy, s, mean, rstd, w, rms=rms, zero_centered_gamma=False, has_bias=not rms,
+                              dresidual=dy, op_path=op_path)
+        return (y, *_fields(y_fp8), s, dx, dw) + (() if rms else (db,))
+
+    got = torch.compile(step, fullgraph=True)(x, res, dy)
+    with eager_kernels:
+        want = step(x, res, dy)
+    for name, a, c in zip(("y", "y8", "y8_t", "scale_inv", "s", "dx", "dw", "db"), got, want):
+        assert torch.equal(a, c), name
