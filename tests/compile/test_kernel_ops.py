@@ -1,6 +1,7 @@
 """The Triton kernels' custom ops (:mod:`fp8engine.ops.kernel_ops`): schema, fake implementation and declared
-mutation (``torch.library.opcheck``), bits equal to the launchers they wrap, and a compiled ``LayerNormMLP`` that
-calls them (on CPU their plain-PyTorch references; the test forces the op path, which CUDA takes by itself)."""
+mutation (``torch.library.opcheck``), bits equal to the launchers they wrap, a compiled ``LayerNormMLP`` and
+``TransformerLayer`` that call them (on CPU their plain-PyTorch references; the tests force the op path, which CUDA
+takes by itself), and compiled current scaling's norm and activation bit-equal to eager mode's kernel path."""
 import copy
 
 import pytest
