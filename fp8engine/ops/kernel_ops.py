@@ -8,14 +8,26 @@ in Inductor's cast, GELU and amax kernels where eager mode spends 1.5 ms in ours
 calls our kernels (CUDA) or their plain-PyTorch references (any other device), with the same bits.
 
 Each op declares what it mutates (``mutates_args``: the amax slot it max-accumulates into, a view of
-``ScalingState.amax_history`` in a compiled forward or of ``grad_amax`` in a compiled backward) and has a fake
+``ScalingState.amax_history`` in a compiled forward or of ``grad_amax`` in a compiled backward under delayed
+scaling, a zero-filled ``[1]`` buffer made in the graph under current scaling) and has a fake
 implementation giving the output shapes and dtypes, so AOTAutograd functionalizes the mutation as it does the
 reference path's.
 
-The ops: the activations (forward written in FP8; backward cast-transposed with dbias: delayed scaling), the casts
-(:func:`cast_fp8`, :func:`cast_transpose_dbias_fp8`: delayed scaling, or current scaling from an amax computed in
-the graph), and LayerNorm / RMSNorm (:func:`norm_fwd_fp8` writing the FP8 copy under delayed scaling, with the
-residual add fused; :func:`norm_bwd` for the norms those wrote, whose mean / rstd have the kernel's layout).
+The ops: the activations (delayed scaling: forward written in FP8, backward cast-transposed with dbias,
+:func:`act_fwd_fp8` / :func:`act_bwd_fp8`; current scaling: written in high precision with the amax of what was
+written, :func:`act_fwd_amax` / :func:`act_bwd_dbias_amax`), the casts (:func:`cast_fp8`,
+:func:`cast_transpose_dbias_fp8`: delayed scaling, or current scaling from an amax: a kernel's, or one computed in
+the graph), and LayerNorm / RMSNorm (:func:`norm_fwd_fp8` writing the FP8 copy under delayed scaling, or under
+current scaling the high-precision output and its amax, with the residual add fused; :func:`norm_bwd` for the norms
+those wrote, whose mean / rstd have the kernel's layout).
+
+Current scaling runs what eager mode runs on CUDA: the norm / activation kernel writes high precision and takes the
+amax of the values it wrote in the same pass (an atomic max per program), then :func:`cast_fp8` derives the scale
+from that amax on the device (``scale_from_amax``) and casts. Same kernels, same bits as eager mode; no separate
+amax read of the tensor, and nothing between the kernels for Inductor to generate but the zero fill of the amax
+buffers (Inductor on CPU, torch 2.13: one fused fill for a TransformerLayer's forward, and the ops' mutation of the
+buffers reinplaced: no copies).
+
 Outputs a call does not produce are returned as empty ``[0]`` tensors (a custom op's outputs are tensors, never
 aliases of its inputs).
 """
@@ -25,8 +37,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["act_fwd_fp8", "act_bwd_fp8", "cast_fp8", "cast_transpose_dbias_fp8", "norm_fwd_fp8", "norm_bwd",
-           "ACT_KINDS", "compiled_kernel_ops"]
+__all__ = ["act_fwd_fp8", "act_bwd_fp8", "act_fwd_amax", "act_bwd_dbias_amax", "cast_fp8", "cast_transpose_dbias_fp8",
+           "norm_fwd_fp8", "norm_bwd", "ACT_KINDS", "compiled_kernel_ops"]
 
 #: Activations with fused kernels, and the names of their launchers in fp8engine.kernels.activation:
 #: (forward, backward + cast-transpose + dbias); the references are the same names + ``_reference``.
@@ -97,6 +109,50 @@ def _(da, h, kind, scale, fp8_dtype, amax):
     rows = h.numel() // h.shape[-1] if h.shape[-1] else 0
     return (h.new_empty(h.shape, dtype=fp8_dtype), h.new_empty((h.shape[-1], rows), dtype=fp8_dtype),
             scale.new_empty((1,)), da.new_empty((h.shape[-1],)))
+
+
+@torch.library.custom_op("fp8engine::act_fwd_amax", mutates_args=("amax",))
+def act_fwd_amax(h: torch.Tensor, kind: str, amax: torch.Tensor) -> torch.Tensor:
+    """``act(h)`` written in high precision with its amax, for current scaling (the cast op then derives the scale
+    from that amax: :func:`cast_fp8` with ``scale_from_amax``). One pass over ``h``, as in eager mode on CUDA.
+
+    Args:
+        h: ``[*, D]`` bf16 / fp16 / fp32, contiguous (SwiGLU: ``D = 2 N``, ``[gate | up]``).
+        kind: ``"gelu"`` (tanh approximation), ``"relu"`` or ``"swiglu"``.
+        amax: ``[1]`` float32, max-accumulated in place with ``max |y|`` of the values written (in ``h.dtype``,
+            NaN counted as +inf): pass zeros for the amax of this tensor alone.
+    Returns:
+        ``y [*, D']`` in ``h.dtype`` (``D' = N`` for SwiGLU, else ``D``). Errors are the launcher's
+        (:mod:`fp8engine.kernels.activation`)."""
+    y, _, _ = _launcher(kind, 0, h.device)(h, return_hp=True, amax_out=amax)
+    return y
+
+
+@act_fwd_amax.register_fake
+def _(h, kind, amax):
+    return h.new_empty(_act_out_shape(h, kind))
+
+
+@torch.library.custom_op("fp8engine::act_bwd_dbias_amax", mutates_args=("amax",))
+def act_bwd_dbias_amax(da: torch.Tensor, h: torch.Tensor, kind: str,
+                       amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dh = da * act'(h)`` written in high precision with its column sums and its amax, for current scaling (the
+    cast op then casts ``dh`` with the scale derived from that amax): ``(dh, dbias)``. One pass, as in eager mode.
+
+    Args:
+        da: ``[*, D']`` gradient of the activation output, ``h``'s dtype, contiguous.
+        h: ``[*, D]`` the activation's input, contiguous. kind: as :func:`act_fwd_amax`.
+        amax: ``[1]`` float32, max-accumulated in place with ``max |dh|`` of the values written (``da.dtype``).
+    Returns:
+        ``dh [*, D]`` in ``da.dtype``; ``dbias [D]`` in ``da.dtype`` (fp32-accumulated column sums of ``dh``).
+        Errors are the launcher's."""
+    dh, _, _, dbias = _launcher(kind, 1, h.device)(da, h, None, None, amax)
+    return dh, dbias
+
+
+@act_bwd_dbias_amax.register_fake
+def _(da, h, kind, amax):
+    return da.new_empty(h.shape), da.new_empty((h.shape[-1],))
 
 
 def _norm_launchers(device: torch.device, rms: bool):

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
-from fp8engine.ops.kernel_ops import ACT_KINDS, act_bwd_fp8, act_fwd_fp8, compiled_kernel_ops
+from fp8engine.ops.kernel_ops import (ACT_KINDS, act_bwd_dbias_amax, act_bwd_fp8, act_fwd_amax, act_fwd_fp8,
+                                      compiled_kernel_ops)
 from fp8engine.ops.comm import LinearComm
 from fp8engine.ops.linear import dgrad_wgrad, fp8_linear, linear_input, output_leading_dims
 
@@ -106,8 +107,14 @@ def activation_cast(x: torch.Tensor, kind: str, quantizer: Quantizer,
 
 def _compiled_op_args(h: torch.Tensor, quantizer: Quantizer) -> Optional[tuple]:
     """``(scale, amax)`` for the custom kernel ops (:mod:`fp8engine.ops.kernel_ops`) when ``torch.compile`` traces
-    this call on CUDA under delayed scaling with an amax to record, else None (the torch path)."""
-    if not (compiled_kernel_ops(h) and quantizer.delayed and quantizer.stats is None and quantizer.state is not None):
+    this call on CUDA, else None (the torch path). Delayed scaling with an amax to record: the state's views (the
+    kernel writes FP8). Current scaling: ``(None, a zero [1] float32 amax)`` (the kernel writes high precision and
+    the amax of what it wrote, then the cast op scales by that amax: eager mode's kernels)."""
+    if not (compiled_kernel_ops(h) and quantizer.stats is None):
+        return None
+    if quantizer.kind == "current":
+        return None, torch.zeros(1, dtype=torch.float32, device=h.device)
+    if not quantizer.delayed or quantizer.state is None:
         return None
     scale, amax = quantizer.compiled_views()
     return None if amax is None else (scale, amax)
@@ -120,12 +127,17 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
     Kernels, delayed scaling: the activation kernel writes FP8 directly (the quantizer's scale, amax into its
     history slot); the transpose is then an FP8 byte copy, made by the first ``transpose_2d()`` call. Current scaling
     needs the amax first: the activation kernel writes high precision and the amax of what it wrote, then the
-    cast-transpose (scale derived from that amax on the device).
+    cast-transpose (scale derived from that amax on the device). Traced by ``torch.compile`` on CUDA: the same kernels
+    as custom ops (:func:`~fp8engine.ops.kernel_ops.act_fwd_fp8`; current scaling
+    :func:`~fp8engine.ops.kernel_ops.act_fwd_amax` then :func:`~fp8engine.ops.kernel_ops.cast_fp8`).
     Torch: :func:`act_fwd` then ``quantizer.quantize``.
     """
     op_args = _compiled_op_args(h, quantizer)
-    if op_args is not None:  # traced by torch.compile: our kernel as an opaque op (fp8engine.ops.kernel_ops)
-        y8, scale_inv = act_fwd_fp8(h.contiguous(), kind, op_args[0], quantizer.fp8_dtype, op_args[1])
+    if op_args is not None:  # traced by torch.compile: our kernels as opaque ops (fp8engine.ops.kernel_ops)
+        scale, amax = op_args
+        if scale is None:  # current scaling: as the kernel path below (the cast: a custom op too)
+            return quantizer.quantize(act_fwd_amax(h.contiguous(), kind, amax), transpose=transpose, amax=amax)
+        y8, scale_inv = act_fwd_fp8(h.contiguous(), kind, scale, quantizer.fp8_dtype, amax)
         return Float8Tensor(y8, scale_inv, h.dtype)
     if not use_kernels(h):
         return quantizer.quantize(act_fwd(h, kind), transpose=transpose)
@@ -151,13 +163,20 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
     column sums when ``dbias``: ``(dh_fp8, dbias [D] in da.dtype or None)``.
 
     Kernels, delayed scaling: one ``*_bwd_cast_transpose`` pass (both FP8 layouts, fp32-accumulated dbias).
-    Current scaling: its high-precision variant (dh, dbias and the amax of the dh written), then the cast-transpose.
+    Current scaling: its high-precision variant (dh, dbias and the amax of the dh written), then the cast-transpose
+    (dbias is the activation kernel's: no second column sum). Traced by ``torch.compile`` on CUDA: the same kernels
+    as custom ops (:func:`~fp8engine.ops.kernel_ops.act_bwd_fp8`; current scaling
+    :func:`~fp8engine.ops.kernel_ops.act_bwd_dbias_amax` then :func:`~fp8engine.ops.kernel_ops.cast_fp8`).
     Torch: :func:`act_bwd` then ``quantizer.quantize_dbias``.
     """
     op_args = _compiled_op_args(h, quantizer)
-    if op_args is not None:  # traced by torch.compile: our kernel as an opaque op (fp8engine.ops.kernel_ops)
-        dh8, dh8_t, scale_inv, db = act_bwd_fp8(da.contiguous(), h.contiguous(), kind, op_args[0],
-                                                quantizer.fp8_dtype, op_args[1])
+    if op_args is not None:  # traced by torch.compile: our kernels as opaque ops (fp8engine.ops.kernel_ops)
+        scale, amax = op_args
+        if scale is None:  # current scaling: as the kernel path below (the cast: a custom op too)
+            dh, db = act_bwd_dbias_amax(da.contiguous(), h.contiguous(), kind, amax)
+            return quantizer.quantize(dh, transpose=transpose, amax=amax), (db if dbias else None)
+        dh8, dh8_t, scale_inv, db = act_bwd_fp8(da.contiguous(), h.contiguous(), kind, scale, quantizer.fp8_dtype,
+                                                amax)
         return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t), (db if dbias else None)
     if not use_kernels(h):
         return quantizer.quantize_dbias(act_bwd(da, h, kind), transpose=transpose, dbias=dbias)

@@ -57,7 +57,11 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
 
         x = x.contiguous()
         fused = _fuses_cast(x, quantizer)
-        scale, amax = quantizer.compiled_views() if fused else (None, None)
+        scale = amax = None
+        if fused:
+            scale, amax = quantizer.compiled_views()
+        elif _kernel_amax(x, quantizer):  # current scaling: the amax of the y the kernel writes, as below
+            amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         return_hp = return_hp or not fused
         y, y8, scale_inv, mean, rstd, s = norm_fwd_fp8(x, weight, bias, None if residual is None else
                                                        residual.contiguous(), eps, rms, zero_centered_gamma, scale,
@@ -68,8 +72,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         y_fp8 = None
         if fused:
             y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype)
-        elif quantizer is not None:
-            y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose)
+        elif quantizer is not None:  # amax None: computed in the graph by the cast
+            y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose, amax=amax)
         return y, y_fp8, mean, rstd, s
     if use_kernels(x):  # Triton: normalisation and FP8 cast (delayed scaling) in one pass over x
         from fp8engine.kernels import norm as kn
@@ -133,14 +137,21 @@ def _fuses_cast(x: torch.Tensor, quantizer: Optional[Quantizer]) -> bool:
             and compiled_kernel_ops(x))
 
 
+def _kernel_amax(x: torch.Tensor, quantizer: Optional[Quantizer]) -> bool:
+    """The compiled norm kernel writes y and the amax of the values it wrote, and the cast op scales by that amax
+    (current scaling, no stats recording, on CUDA): what eager mode runs on CUDA, with no separate amax read of y."""
+    return (quantizer is not None and quantizer.kind == "current" and quantizer.stats is None
+            and compiled_kernel_ops(x))
+
+
 def _op_path(x: torch.Tensor, quantizer: Optional[Quantizer], rms: bool) -> bool:
     """True when :func:`norm_fwd` runs the norm kernel as a custom op (:mod:`fp8engine.ops.kernel_ops`): traced by
-    ``torch.compile`` and either fusing the FP8 cast (:func:`_fuses_cast`) or RMSNorm on any device (Dynamo cannot
-    trace ``torch._fused_rms_norm``, and torch 2.11's Dynamo returned wrong input gradients for the traced fp32-math
-    RMSNorm: 12 dB against eager with a residual, zero for fp32 inputs; the op, opaque to it, runs the kernel on
-    CUDA and its reference elsewhere). Its mean / rstd then have the
-    kernel's layout, which :func:`norm_bwd` is told with ``op_path``."""
-    return torch.compiler.is_compiling() and (rms or _fuses_cast(x, quantizer))
+    ``torch.compile`` and either fusing the FP8 cast (:func:`_fuses_cast`), or taking the amax for current scaling's
+    cast (:func:`_kernel_amax`), or RMSNorm on any device (Dynamo cannot trace ``torch._fused_rms_norm``, and
+    torch 2.11's Dynamo returned wrong input gradients for the traced fp32-math RMSNorm: 12 dB against eager with a
+    residual, zero for fp32 inputs; the op, opaque to it, runs the kernel on CUDA and its reference elsewhere). Its
+    mean / rstd then have the kernel's layout, which :func:`norm_bwd` is told with ``op_path``."""
+    return torch.compiler.is_compiling() and (rms or _fuses_cast(x, quantizer) or _kernel_amax(x, quantizer))
 
 
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean, rstd, weight: torch.Tensor, *, rms: bool,

@@ -1,6 +1,7 @@
 """The Triton kernels' custom ops (:mod:`fp8engine.ops.kernel_ops`): schema, fake implementation and declared
-mutation (``torch.library.opcheck``), bits equal to the launchers they wrap, and a compiled ``LayerNormMLP`` that
-calls them (on CPU their plain-PyTorch references; the test forces the op path, which CUDA takes by itself)."""
+mutation (``torch.library.opcheck``), bits equal to the launchers they wrap, a compiled ``LayerNormMLP`` and
+``TransformerLayer`` that call them (on CPU their plain-PyTorch references; the tests force the op path, which CUDA
+takes by itself), and compiled current scaling's norm and activation bit-equal to eager mode's kernel path."""
 import copy
 
 import pytest
@@ -10,7 +11,7 @@ import fp8engine.modules as M
 import fp8engine.ops.mlp as mlp_ops
 from fp8engine.fp8.autocast import fp8_autocast
 from fp8engine.kernels import activation as ka
-from fp8engine.ops.kernel_ops import ACT_KINDS, act_bwd_fp8, act_fwd_fp8
+from fp8engine.ops.kernel_ops import ACT_KINDS, act_bwd_dbias_amax, act_bwd_fp8, act_fwd_amax, act_fwd_fp8
 from fp8engine.recipe import DelayedScaling
 from tests.conftest import DEVICES, sqnr
 
@@ -31,6 +32,8 @@ def test_opcheck(kind):
     scale = torch.tensor([4.0])
     torch.library.opcheck(act_fwd_fp8, (h, kind, scale, E4M3, torch.zeros(1)))
     torch.library.opcheck(act_bwd_fp8, (da, h, kind, scale, E5M2, torch.zeros(1)))
+    torch.library.opcheck(act_fwd_amax, (h, kind, torch.zeros(1)))  # current scaling's high-precision variants
+    torch.library.opcheck(act_bwd_dbias_amax, (da, h, kind, torch.zeros(1)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -52,6 +55,17 @@ def test_ops_equal_the_launchers(kind, device):
     for a, b in zip(out, ref):
         assert torch.equal(a.view(torch.uint8) if a.dtype == E5M2 else a, b.view(torch.uint8) if b.dtype == E5M2 else b)
     assert torch.equal(amax_op, amax_ref)
+    # current scaling's variants: high precision and the amax of the values written
+    amax_op, amax_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    y = act_fwd_amax(h, kind, amax_op)
+    y_ref, _, _ = fwd(h, return_hp=True, amax_out=amax_ref)
+    assert y.dtype == h.dtype and torch.equal(y, y_ref) and torch.equal(amax_op, amax_ref)
+    assert amax_op.item() == y.abs().max().item() > 0
+    amax_op.zero_(), amax_ref.zero_()
+    dh, db = act_bwd_dbias_amax(da, h, kind, amax_op)
+    dh_ref, _, _, db_ref = bwd(da, h, None, None, amax_ref)
+    assert dh.dtype == da.dtype and torch.equal(dh, dh_ref) and torch.equal(db, db_ref)
+    assert torch.equal(amax_op, amax_ref) and amax_op.item() == dh.abs().max().item() > 0
 
 
 def _three_steps_agree(eager, compiled, recipe, min_db):
@@ -118,6 +132,8 @@ def test_cast_and_norm_opcheck():
         for residual in (None, _x("cpu", seed=2)):
             args = (x, w, None if rms else b, residual, 1e-5, rms, False, scale, E4M3, torch.zeros(1), True)
             torch.library.opcheck(norm_fwd_fp8, args)
+            # current scaling: no FP8 output, y and the amax of the y written
+            torch.library.opcheck(norm_fwd_fp8, (*args[:7], None, None, torch.zeros(1), True))
             _, _, _, mean, rstd, _ = norm_fwd_fp8(*args)
             torch.library.opcheck(norm_bwd, (_x("cpu", seed=3), x, mean, rstd, w, residual, rms, False))
 
@@ -155,20 +171,30 @@ def test_cast_and_norm_ops_equal_the_launchers(device):
                                                                       amax_out=a_ref, residual=res, residual_out=r_out)
     for a, b_ in ((y, ry), (y8, ry8), (sinv, rsinv), (mean, rmean), (rstd, rrstd), (s, r_out), (a_op, a_ref)):
         assert torch.equal(u8(a), u8(b_))
+    # current scaling's mode: y and the amax of the y written, no FP8 output
+    a_op, a_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    y_c, y8_c, sinv_c, _, _, _ = norm_fwd_fp8(x, w, b, res, 1e-5, False, False, None, None, a_op, True)
+    ry_c = getattr(kn, "layernorm_fwd" + sfx)(x, w, b, 1e-5, amax_out=a_ref, residual=res,
+                                              residual_out=torch.empty_like(x))[0]
+    assert torch.equal(y_c, ry_c) and torch.equal(a_op, a_ref) and a_op.item() == y_c.abs().max().item()
+    assert y8_c.numel() == 0 and sinv_c.numel() == 0
     dx, dw, db = norm_bwd(dy, s, mean, rstd, w, res, False, False)
     rdx, rdw, rdb = getattr(kn, "layernorm_bwd" + sfx)(dy, r_out, rmean, rrstd, w, dresidual=res)
     assert torch.equal(dx, rdx) and torch.equal(dw, rdw) and torch.equal(db, rdb)
 
 
-@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_compiled_layer_through_the_cast_and_norm_ops(monkeypatch, recipe_name, normalization):
+@pytest.mark.parametrize("recipe_name,normalization,activation", [
+    ("delayed", "LayerNorm", "gelu"), ("delayed", "RMSNorm", "gelu"), ("current", "LayerNorm", "gelu"),
+    ("current", "RMSNorm", "gelu"), ("current", "LayerNorm", "swiglu"), ("current", "RMSNorm", "swiglu")])
+def test_compiled_layer_through_the_kernel_ops(monkeypatch, recipe_name, normalization, activation):
     """A compiled ``TransformerLayer`` (Inductor, CPU) with every kernel op forced on (what CUDA takes by itself),
     three steps against eager mode. Bounds: outputs and input gradients within 25 dB (the op path runs the
-    kernels' fp32 references where eager CPU mode runs torch's norms and GELU: the same functions rounded
-    differently, then FP8-cast, ~2^-4 relative per e4m3 step, through two sublayers), and the ops are called:
-    norm forward (delayed scaling only: current scaling needs the amax before the cast) and backward, the cast,
-    and the cast-transpose with dbias."""
+    kernels' fp32 references where eager CPU mode runs torch's norms and activations: the same functions rounded
+    differently, then FP8-cast, ~2^-4 relative per e4m3 step, through two sublayers). The ops are called, counted
+    at run time (they are opaque to the trace): the cast and the cast-transpose with dbias, and once per step the
+    norm forward and backward of both sublayers and the activation forward and backward, under both recipes
+    (current scaling: the norm and activation write high precision and its amax, then the cast op scales by it)."""
+    import fp8engine.fp8.cast_ops as co
     import fp8engine.ops.kernel_ops as ko
     import fp8engine.ops.norm_linear as nl
     from fp8engine.recipe import CurrentScaling
@@ -176,34 +202,34 @@ def test_compiled_layer_through_the_cast_and_norm_ops(monkeypatch, recipe_name, 
     torch._dynamo.reset()
     calls = {}
 
-    def counting(launchers):  # counts the launchers the ops run (at run time: the ops are opaque to the trace)
-        def wrapped(*args):
-            def count(fn):
-                def f(*a, **k):
-                    calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
-                    return fn(*a, **k)
-                return f
-            return tuple(count(fn) for fn in launchers(*args))
-        return wrapped
+    def count(fn):
+        def f(*a, **k):
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
+            return fn(*a, **k)
+        return f
 
-    import fp8engine.fp8.cast_ops as co
+    def counting(launchers):  # the launchers an op picks, counted when called
+        return lambda *args: tuple(count(fn) for fn in launchers(*args))
 
     forced = lambda x: torch.compiler.is_compiling()  # noqa: E731
     for mod in (co, ko, nl, mlp_ops):
         monkeypatch.setattr(mod, "compiled_kernel_ops", forced)
     monkeypatch.setattr(co, "_cast_launchers", counting(co._cast_launchers))
     monkeypatch.setattr(ko, "_norm_launchers", counting(ko._norm_launchers))
+    act_launcher = ko._launcher
+    monkeypatch.setattr(ko, "_launcher", lambda *args: count(act_launcher(*args)))
     torch.manual_seed(0)
-    eager = M.TransformerLayer(64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization=normalization)
+    eager = M.TransformerLayer(64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization=normalization,
+                               activation=activation)
     compiled_mod = copy.deepcopy(eager)
     compiled = torch.compile(compiled_mod, fullgraph=True)
     recipe = DelayedScaling(amax_history_len=4) if recipe_name == "delayed" else CurrentScaling()
     _three_steps_agree(eager, compiled, recipe, min_db=25)
     norm = "rmsnorm" if normalization == "RMSNorm" else "layernorm"
-    expected = {"cast_to_fp8_reference", "cast_transpose_dbias_reference"}
-    if recipe_name == "delayed":
-        expected |= {f"{norm}_fwd_reference", f"{norm}_bwd_reference"}
-    assert expected <= set(calls), calls
+    fwd, bwd = ACT_KINDS[activation]
+    assert {"cast_to_fp8_reference", "cast_transpose_dbias_reference"} <= set(calls), calls
+    want = {f"{norm}_fwd_reference": 6, f"{norm}_bwd_reference": 6, f"{fwd}_reference": 3, f"{bwd}_reference": 3}
+    assert {k: calls.get(k) for k in want} == want, calls
 
 
 @pytest.mark.parametrize("rms", [False, True])
@@ -228,3 +254,85 @@ def test_compiled_norm_with_residual_matches_eager(rms):
         grads.append((x.grad, r.grad, wi.grad))
     for a, c in zip(*grads):
         assert sqnr(a, c) > 100
+
+
+def _current_scaling_both_ways(monkeypatch, device):
+    """Compiled current scaling against eager mode's kernel path, on ``device``: returns the context eager mode runs
+    its kernels in. CUDA: the kernels, which compiled code reaches through the ops by itself. CPU: the ops are forced
+    on (they run the launchers' references) and eager mode's kernel composition runs with every launcher replaced by
+    its reference (under ``kernels_forced``), so both sides call the same functions."""
+    import fp8engine.fp8.cast_ops as co
+    import fp8engine.ops.norm_linear as nl
+    from fp8engine.fp8.float8_tensor import kernels_forced
+    from fp8engine.kernels import cast as kc, norm as kn
+
+    torch._dynamo.reset()
+    if device == "cpu":
+        forced = lambda x: torch.compiler.is_compiling()  # noqa: E731
+        for mod in (co, nl, mlp_ops):
+            monkeypatch.setattr(mod, "compiled_kernel_ops", forced)
+        launchers = ((kc, ("cast_to_fp8", "cast_transpose_dbias")), (ka, sum(ACT_KINDS.values(), ())),
+                     (kn, ("layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd")))
+        for mod, names in launchers:
+            for name in names:
+                monkeypatch.setattr(mod, name, getattr(mod, name + "_reference"))
+    return kernels_forced(device == "cpu")
+
+
+def _fields(t):
+    return t.data.view(torch.uint8), t.transpose_2d().view(torch.uint8), t.scale_inv
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_compiled_current_scaling_activation_equals_eager_kernels(monkeypatch, kind, device):
+    """Exact: under current scaling the compiled activation (``act_fwd_amax`` then ``cast_fp8`` with the kernel's
+    amax) and its backward (``act_bwd_dbias_amax`` then ``cast_fp8`` with the transpose) write the bits eager mode's
+    kernels write: FP8 data, transposed data, scale_inv, dbias. 67 rows (odd: partial tiles)."""
+    from fp8engine.fp8.quantizer import Quantizer
+    from fp8engine.ops.mlp import act_bwd_cast, act_fwd_cast
+
+    eager_kernels = _current_scaling_both_ways(monkeypatch, device)
+    h, da = _inputs(kind, device, rows=67)
+    fwd_q, bwd_q = Quantizer(E4M3, "current", role="fc2_input"), Quantizer(E5M2, "current", role="fc1_grad_output")
+
+    def step(h, da):
+        dh, dbias = act_bwd_cast(da, h, kind, bwd_q, transpose=True, dbias=True)
+        return (*_fields(act_fwd_cast(h, kind, fwd_q, transpose=True)), *_fields(dh), dbias)
+
+    got = torch.compile(step, fullgraph=True)(h, da)
+    with eager_kernels:
+        want = step(h, da)
+    assert got[0].shape == (67, h.shape[1] // (2 if kind == "swiglu" else 1))
+    for name, a, b in zip(("y8", "y8_t", "scale_inv", "dh8", "dh8_t", "scale_inv", "dbias"), got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_compiled_current_scaling_norm_equals_eager_kernels(monkeypatch, rms, device):
+    """Exact: under current scaling the compiled norm with a residual (``norm_fwd_fp8`` writing y and its amax, then
+    ``cast_fp8`` with that amax and the transpose) writes the bits eager mode's kernels write, and its backward
+    (``norm_bwd``) the same gradients. 67 rows."""
+    from fp8engine.fp8.quantizer import Quantizer
+    from fp8engine.ops.norm_linear import norm_bwd, norm_fwd
+
+    eager_kernels = _current_scaling_both_ways(monkeypatch, device)
+    x, res, dy = _x(device, rows=67), _x(device, rows=67, seed=2), _x(device, rows=67, seed=3)
+    w = torch.randn(96, device=device).to(torch.bfloat16)
+    b = None if rms else torch.randn(96, device=device).to(torch.bfloat16)
+    q = Quantizer(E4M3, "current", role="fc1_input")
+
+    def step(x, res, dy):
+        y, y_fp8, mean, rstd, s = norm_fwd(x, w, b, 1e-5, rms=rms, zero_centered_gamma=False, quantizer=q,
+                                           transpose=True, residual=res)
+        op_path = torch.compiler.is_compiling()  # the compiled forward ran the op, whose mean / rstd layout it reads
+        dx, dw, db = norm_bwd(dy, s, mean, rstd, w, rms=rms, zero_centered_gamma=False, has_bias=not rms,
+                              dresidual=dy, op_path=op_path)
+        return (y, *_fields(y_fp8), s, dx, dw) + (() if rms else (db,))
+
+    got = torch.compile(step, fullgraph=True)(x, res, dy)
+    with eager_kernels:
+        want = step(x, res, dy)
+    for name, a, c in zip(("y", "y8", "y8_t", "scale_inv", "s", "dx", "dw", "db"), got, want):
+        assert torch.equal(a, c), name
