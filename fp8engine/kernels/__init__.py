@@ -1,4 +1,5 @@
-"""Triton kernels of fp8engine (cast, norm, activation, scaling update), each beside a plain-PyTorch reference.
+"""Triton kernels of fp8engine (cast, norm, activation, scaling update; block casts and the norm / activation fused
+with them), each beside a plain-PyTorch reference.
 
 Import the families directly (``from fp8engine.kernels.cast import cast_to_fp8``); this package only exposes
 ``kernels_available``, which the ops layer uses to dispatch: Triton on CUDA, the ``*_reference`` functions elsewhere.

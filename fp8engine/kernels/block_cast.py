@@ -68,6 +68,60 @@ def _block_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
+def _store_1x128_rows(
+    y,  # fp32 [BLOCK, BLOCK] tile of an [M, K] matrix: rows offs_m, columns offs_k (one 1 x 128 tile per row)
+    a,  # |y| with NaN as +inf and masked-off lanes 0 (_masked_abs): what each tile's amax reduces
+    offs_m,
+    offs_k,
+    kb,  # index of this tile column (offs_k // BLOCK)
+    M,
+    K,
+    out_ptr,  # [M, K] FP8 bits (uint8), row-major
+    sinv_ptr,  # [cdiv(K, 128), M] fp32: M-major storage of the [M, K/128] scale_inv
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    CVT: tl.constexpr,
+    POW2: tl.constexpr,
+):
+    """Quantize the tile's rows with one scale each (its 1 x 128 tiles) and store the bits and scale inverses."""
+    rows = offs_m.to(tl.int64)
+    cols = offs_k.to(tl.int64)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    s_row = _block_scale(tl.max(a, axis=1), FP8_MAX, POW2)  # [BLOCK]: one scale per row of this tile
+    b = _quantize(y, s_row[:, None], FP8_MAX, IS_E4M3, CVT)
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], b, mask=mask)
+    sinv_row = tl.math.div_rn(tl.zeros_like(s_row) + 1.0, s_row)
+    tl.store(sinv_ptr + kb.to(tl.int64) * M + rows, sinv_row, mask=offs_m < M)  # column kb, M-major
+
+
+@triton.jit
+def _store_1x128_cols_t(
+    y,  # fp32 [BLOCK, BLOCK] tile of an [M, K] matrix: rows offs_m, columns offs_k
+    a,  # |y| as in _store_1x128_rows
+    offs_m,
+    offs_k,
+    mb,  # index of this tile row (offs_m // BLOCK)
+    M,
+    K,
+    out_t_ptr,  # [K, M] FP8 bits (uint8) of the re-tiled transpose, row-major
+    sinv_t_ptr,  # [cdiv(M, 128), K] fp32: K-major storage of the [K, M/128] scale_inv_t
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    CVT: tl.constexpr,
+    POW2: tl.constexpr,
+):
+    """Re-tile: one scale per column of the tile (per 1 x 128 tile of y^T along M); store y^T's bits and scales."""
+    rows = offs_m.to(tl.int64)
+    cols = offs_k.to(tl.int64)
+    s_col = _block_scale(tl.max(a, axis=0), FP8_MAX, POW2)
+    bt = _quantize(y, s_col[None, :], FP8_MAX, IS_E4M3, CVT)
+    mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
+    tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(bt), mask=mask_t)
+    tl.store(sinv_t_ptr + mb.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(s_col) + 1.0, s_col),
+             mask=offs_k < K)
+
+
+@triton.jit
 def _block_cast_kernel(
     x_ptr,  # [M, K] input, high precision, row-major
     out_ptr,  # [M, K] FP8 bits (uint8)
@@ -95,19 +149,10 @@ def _block_cast_kernel(
     x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a = _masked_abs(x, mask)
     if MODE == 1:
-        s_row = _block_scale(tl.max(a, axis=1), FP8_MAX, POW2)  # [BLOCK]: one scale per row of this tile
-        b = _quantize(x, s_row[:, None], FP8_MAX, IS_E4M3, CVT)
-        tl.store(out_ptr + rows[:, None] * K + cols[None, :], b, mask=mask)
-        sinv_row = tl.math.div_rn(tl.zeros_like(s_row) + 1.0, s_row)
-        tl.store(sinv_ptr + pid_k.to(tl.int64) * M + rows, sinv_row, mask=offs_m < M)  # column pid_k, M-major
+        _store_1x128_rows(x, a, offs_m, offs_k, pid_k, M, K, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
         if WRITE_T:
-            # re-tile: one scale per column of x over these 128 rows, i.e. per 1 x 128 tile of x^T
-            s_col = _block_scale(tl.max(a, axis=0), FP8_MAX, POW2)
-            bt = _quantize(x, s_col[None, :], FP8_MAX, IS_E4M3, CVT)
-            mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
-            tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(bt), mask=mask_t)
-            tl.store(sinv_t_ptr + pid_m.to(tl.int64) * K + cols,
-                     tl.math.div_rn(tl.zeros_like(s_col) + 1.0, s_col), mask=offs_k < K)
+            _store_1x128_cols_t(x, a, offs_m, offs_k, pid_m, M, K, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT,
+                                POW2)
     else:
         s = _block_scale(tl.max(tl.max(a, axis=1), axis=0), FP8_MAX, POW2)
         b = _quantize(x, s, FP8_MAX, IS_E4M3, CVT)

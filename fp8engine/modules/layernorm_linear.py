@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.modules.base import FP8Module
 from fp8engine.ops.block_linear import block_fp8_linear
+from fp8engine.ops.block_norm import block_norm_cast
 from fp8engine.ops.init import init_linear_params
 from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
@@ -126,11 +128,17 @@ def input_norm(module, x: torch.Tensor, quantizer, residual: Optional[torch.Tens
     Under FP8 (``quantizer``: the first GEMM's input role) and without sequence parallelism the norm kernel also
     writes the FP8 copy (``ln`` is then only a gradient carrier unless ``return_layernorm_output``);
     otherwise ``ln_fp8`` is None (sequence parallel: the cast comes after the all-gather). Under
-    ``Float8BlockScaling`` the norm is not fused with the cast (the norm kernels write per-tensor scales only): the
-    norm writes ``ln`` in high precision and the block GEMM op casts it (1 x 128 tiles). ``s`` is the normalised
-    tensor, ``x`` or ``x + residual`` (see :func:`fp8engine.ops.norm_linear.norm`)."""
-    common = dict(rms=module._rms, zero_centered_gamma=module.zero_centered_gamma, residual=residual,
-                  return_input=True)
+    ``Float8BlockScaling`` on the kernel path (:func:`~fp8engine.fp8.float8_tensor.use_kernels`) the block norm
+    kernel writes the 1 x 128-tiled copy and its re-tiled transpose: ``ln_fp8`` is then the ``x_q`` pair of
+    :func:`fp8engine.ops.block_norm.block_norm_cast` (rows padded to 128); elsewhere (the CPU reference path) the
+    norm writes ``ln`` in high precision and the block GEMM op casts it. ``s`` is the normalised tensor, ``x`` or
+    ``x + residual`` (see :func:`fp8engine.ops.norm_linear.norm`)."""
+    common = dict(rms=module._rms, zero_centered_gamma=module.zero_centered_gamma, residual=residual)
+    if quantizer is not None and quantizer.is_block and not module.sequence_parallel and use_kernels(x):
+        return block_norm_cast(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, quantizer=quantizer,
+                               transpose=torch.is_grad_enabled(), return_hp=module.return_layernorm_output,
+                               **common)
+    common["return_input"] = True
     if quantizer is None or module.sequence_parallel or quantizer.is_block:
         ln, s = norm(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, **common)
         return ln, None, s
@@ -152,9 +160,9 @@ class LayerNormLinear(FP8Module):
     """``y = norm(x) @ weight.T + bias``; inside :func:`fp8engine.autocast` the norm op writes its output in FP8
     directly for the GEMM (state rows ``("input", "weight", "grad_output")``, input = the norm output).
 
-    Under ``Float8BlockScaling`` (unfused): the norm runs in high precision, then
-    :func:`fp8engine.ops.block_linear.block_fp8_linear` casts its output to 1 x 128 tiles and runs the three GEMMs
-    block-scaled; with ``qkv_split`` the output is split by the high-precision ``split_grouped_qkv`` (its backward
+    Under ``Float8BlockScaling``: on the kernel path the norm kernel writes the 1 x 128-tiled FP8 input (and its
+    re-tiled transpose) for :func:`fp8engine.ops.block_linear.block_fp8_linear`, which runs the three GEMMs
+    block-scaled (on the CPU reference path the norm runs in high precision and the op casts its output); with ``qkv_split`` the output is split by the high-precision ``split_grouped_qkv`` (its backward
     assembles dq, dk, dv into one buffer that the block op casts: the fused QKV-gradient cast kernel writes
     per-tensor scales only). In and out features must then be multiples of 128 (``ValueError`` at the first FP8
     forward).
@@ -283,9 +291,9 @@ class LayerNormLinear(FP8Module):
                 out = linear_main_grad(total, weight, bias)
             else:
                 out = F.linear(total, weight, bias)
-        else:  # Float8BlockScaling: unfused (class docstring)
+        else:  # Float8BlockScaling (class docstring); ln_fp8: the fused norm's (q, q_t), or None
             w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
-            out = block_fp8_linear(total, weight, bias, q, w_q=w_fp8, fuse_wgrad=fuse)
+            out = block_fp8_linear(total, weight, bias, q, w_q=w_fp8, fuse_wgrad=fuse, x_q=ln_fp8)
         if qkv_split is not None:
             out = split_grouped_qkv(out, *qkv_split)
         return norm_module_outputs(self, out, ln, s, return_norm_input)

@@ -30,10 +30,11 @@ class LayerNormMLP(FP8Module):
     one :class:`ScalingState` holds rows ``MLP_ROLES`` (fc1 input/weight/grad_output, then fc2's). Outside autocast
     it is plain PyTorch (``F.layer_norm``/``F.rms_norm``, ``F.linear``, the activation), bit for bit.
 
-    Under ``Float8BlockScaling`` both GEMMs are block-scaled and nothing is fused with a cast: norm (high
-    precision) -> fc1 -> activation (high precision) -> fc2 (:func:`fp8engine.ops.block_mlp.block_fp8_mlp`; the
-    norm, activation and GELU-epilogue kernels write per-tensor scales only). ``fused`` and ``gelu_epilogue`` do not
-    apply. ``hidden_size`` and ``F/tp`` (``2F/tp`` for swiglu) must be multiples of 128.
+    Under ``Float8BlockScaling`` both GEMMs are block-scaled (:func:`fp8engine.ops.block_mlp.block_fp8_mlp`). On
+    the kernel path the norm kernel writes fc1's 1 x 128-tiled FP8 input, the activation kernel fc2's and the
+    activation-backward kernel fc1's FP8 gradient (with dbias), each with its re-tiled transpose; on the CPU
+    reference path: norm (high precision) -> fc1 -> activation (high precision) -> fc2, each GEMM op casting its
+    inputs. ``fused`` and ``gelu_epilogue`` do not apply. ``hidden_size`` and ``F/tp`` (``2F/tp`` for swiglu) must be multiples of 128.
 
     Args:
         hidden_size: ``h``; ffn_hidden_size: ``F`` (both multiples of 16 for FP8, ``F/tp`` too).
@@ -141,14 +142,14 @@ class LayerNormMLP(FP8Module):
         return y, ln, s
 
     def _block_forward(self, x, quantizers, fc2_bias, is_first_microbatch, residual):
-        """Float8BlockScaling: unfused (class docstring); the caller reduces fc2's output over the ranks."""
+        """Float8BlockScaling (class docstring); the caller reduces fc2's output over the ranks."""
         fc1, fc2 = quantizers
-        ln, _, s = input_norm(self, x, fc1.input, residual)
+        ln, ln_fp8, s = input_norm(self, x, fc1.input, residual)  # ln_fp8: the fused norm's (q, q_t), or None
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         w1 = self.fp8_weight("fc1_weight", self.fc1_weight, fc1.weight, is_first_microbatch)
         w2 = self.fp8_weight("fc2_weight", self.fc2_weight, fc2.weight, is_first_microbatch)
         y = block_fp8_mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation,
-                          fc1, fc2, w1_q=w1, w2_q=w2, fuse_wgrad=self.fuse_wgrad_accumulation)
+                          fc1, fc2, w1_q=w1, w2_q=w2, x_q=ln_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
         return y, ln, s
 
     def extra_repr(self) -> str:

@@ -1,6 +1,7 @@
 """``TransformerLayer``: a pre-norm GPT block, ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``, every
 GEMM in FP8 inside :func:`fp8engine.autocast` (TransformerEngine's ``TransformerLayer`` subset). Every recipe runs,
-``Float8BlockScaling`` too (per-rank GEMM dims multiples of 128; norms and activation unfused, see the sublayers)."""
+``Float8BlockScaling`` too (per-rank GEMM dims multiples of 128; on CUDA the norms and the MLP activation write
+the block-scaled FP8 operands themselves, see the sublayers)."""
 from __future__ import annotations
 
 import contextlib

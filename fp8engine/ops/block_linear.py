@@ -61,12 +61,17 @@ class BlockLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                quantizers: LinearQuantizers, w_q: Optional[tuple], fuse_wgrad: bool, use_hw: Optional[bool]):
+                quantizers: LinearQuantizers, w_q: Optional[tuple], fuse_wgrad: bool, use_hw: Optional[bool],
+                x_q: Optional[tuple] = None):
         x2 = x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
         pad = -m % _B
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or fuse_wgrad
-        qx, qx_t = quantizers.input.quantize(_pad_rows(x2, pad), transpose=need_dw)
+        if x_q is None:
+            qx, qx_t = quantizers.input.quantize(_pad_rows(x2, pad), transpose=need_dw)
+        else:  # cast by the kernel that wrote x (the fused norm): rows already padded to a multiple of 128
+            qx, qx_t = x_q
+            assert qx.shape[0] == m + pad and (qx_t is not None or not need_dw), "x_q does not fit x"
         qw, qw_t = quantizers.weight.quantize(weight, transpose=need_dx) if w_q is None else w_q
         if need_dx and qw_t is None:  # a cached weight cast without its transpose (exact for 128 x 128 blocks)
             qw_t = qw.t()
@@ -102,12 +107,12 @@ class BlockLinearFunction(torch.autograd.Function):
                     dw = block_gemm(qdy_t, qx_t, weight.dtype, use_hw=use_hw)
         if ctx.needs_input_grad[2]:
             dbias = dy2.sum(0, dtype=torch.float32).to(weight.dtype)
-        return dx, dw, dbias, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      quantizers: LinearQuantizers, *, w_q: Optional[tuple] = None, fuse_wgrad: bool = False,
-                     use_hw: Optional[bool] = None) -> torch.Tensor:
+                     use_hw: Optional[bool] = None, x_q: Optional[tuple] = None) -> torch.Tensor:
     """Block-scaled FP8 ``x @ weight.T + bias`` with gradients: the modules' entry point (no per-call validation:
     the module checked K and N once with :func:`check_block_dims`).
 
@@ -120,13 +125,16 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
             across micro-batches); cast now when None.
         fuse_wgrad: add wgrad (fp32) into ``weight.main_grad``; ``weight.grad`` stays None.
         use_hw: see :func:`fp8engine.ops.block_gemm.block_gemm` (default: cuBLASLt where available).
+        x_q: ``x`` already cast, ``(q, q_t or None)`` 1 x 128-tiled with the token rows zero-padded to a multiple
+            of 128 (the fused norm of :func:`fp8engine.ops.block_norm.block_norm_cast`; ``q_t`` needed when a
+            wgrad runs); ``x`` then only carries the gradient (its values are not read). Cast now when None.
     Raises:
         TypeError: x or weight in another dtype than bf16 / fp32 (e.g. fp16: the block GEMM has no fp16 output).
     """
     if x.dtype not in BLOCK_DTYPES or weight.dtype not in BLOCK_DTYPES:
         raise TypeError(f"Float8BlockScaling: x is {x.dtype} and the weight {weight.dtype}; the block-scaled GEMMs "
                         "take bfloat16 or float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
-    return BlockLinearFunction.apply(x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw)
+    return BlockLinearFunction.apply(x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw, x_q)
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -157,4 +165,4 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             raise TypeError(f"block_linear: {name} has dtype {t.dtype}; supported: bfloat16, float32")
     check_block_dims([(weight.shape[1], weight.shape[0])], "block_linear")
     quantizers = LinearQuantizers(*block_quantizers_for(recipe, 3, use_kernel))
-    return BlockLinearFunction.apply(x, weight, bias, quantizers, None, False, use_hw)
+    return BlockLinearFunction.apply(x, weight, bias, quantizers, None, False, use_hw, None)

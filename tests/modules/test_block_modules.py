@@ -197,10 +197,12 @@ def test_nothing_recorded_and_no_scale_update():
 
 @IGNORE_INTERPRETER_WARNINGS
 def test_kernel_path_matches_reference_path(force_kernels):
-    """The GPU code path on CPU (Triton interpreter): the norm kernel with the residual add, then the Triton block
-    casts. The block casts are bit-identical to their references; the norm kernel's fp32 math may differ from ATen's
-    by an ulp, which can flip an FP8 rounding. Measured: identical output, gradients >= 137 dB apart; asserted
-    >= 40 dB (a wrong scale layout or a missing re-tile would give < 20)."""
+    """The GPU code path on CPU (Triton interpreter): the fused block norm kernel with the residual add writing fc1's
+    FP8 input, the fused activation kernels (GELU forward and backward with dbias), the Triton block cast of dy;
+    against the CPU reference path (ATen norm, torch GELU, block casts of the high-precision intermediates). fp32:
+    the norm kernel's and GELU's fp32 math may differ from ATen's by an ulp, which can flip an FP8 rounding.
+    Measured: identical output, gradients >= 132 dB apart; asserted >= 40 dB (a wrong scale layout, a missing
+    re-tile or unzeroed padding rows would give < 20)."""
     torch.manual_seed(0)
     mlp = fp8engine.LayerNormMLP(128, 256, normalization="RMSNorm")
     x, res, dy = torch.randn(128, 1, 128), torch.randn(128, 1, 128), torch.randn(128, 1, 128)
@@ -217,6 +219,38 @@ def test_kernel_path_matches_reference_path(force_kernels):
     force_kernels(True)
     for got, want in zip(run(), reference):
         assert sqnr(want, got) >= 40
+
+
+@IGNORE_INTERPRETER_WARNINGS
+@pytest.mark.parametrize("name", ["LayerNormLinear", "LayerNormMLP-swiglu-rms"])
+def test_fused_kernel_path_vs_float64(force_kernels, monkeypatch, name):
+    """bf16 on the kernel path (interpreter): the fused norm (and activation) kernels are what runs -- counted
+    through the launchers -- and the module meets the reference path's float64 thresholds (THRESHOLDS, E4M3). 100
+    tokens: the kernels write the zero rows that pad them to 128."""
+    from fp8engine.kernels import block_activation, block_norm
+
+    calls = []
+
+    def spy(mod, fn):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, **k: calls.append(fn) or real(*a, **k))
+
+    spy(block_norm, "norm_fwd_1x128")
+    spy(block_activation, "act_fwd_1x128")
+    spy(block_activation, "act_bwd_1x128")
+    torch.manual_seed(0)
+    module = MODULES[name]()
+    x = torch.randn(50, 2, 256)
+    dy = torch.randn(50, 2, 256 if "MLP" in name else 384)
+    ry, rdx, rg = _run(module, x, dy, None)  # float64 outside the kernels (they take bf16 / fp16 / fp32)
+    force_kernels(True)
+    y, dx, g = _run(module, x, dy, E4M3, torch.bfloat16)
+    t_out, t_grad = THRESHOLDS[Format.E4M3]
+    assert sqnr(ry, y) >= t_out and sqnr(rdx, dx) >= t_grad
+    for n, ref in rg.items():
+        assert sqnr(ref, g[n]) >= t_grad, n
+    want = ["norm_fwd_1x128"] + (["act_fwd_1x128", "act_bwd_1x128"] if "MLP" in name else [])
+    assert sorted(calls) == sorted(want)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
