@@ -125,7 +125,7 @@ def _block_act_bwd_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     rows = offs_m[:, None].to(tl.int64)
     dy = tl.load(dy_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if ACT == 2:  # SwiGLU: dx = [dg | du], row length 2N; this program's dg tile is column tile pid_n, du's N/128 + pid_n
+    if ACT == 2:  # SwiGLU: dx = [dg | du], row length 2N; dg's tile is tile column pid_n, du's N/128 + pid_n
         nc = 2 * N
         part = dbias_part_ptr + pid_m.to(tl.int64) * nc
         g = tl.load(x_ptr + rows * nc + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)

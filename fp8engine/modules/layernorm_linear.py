@@ -162,10 +162,10 @@ class LayerNormLinear(FP8Module):
 
     Under ``Float8BlockScaling``: on the kernel path the norm kernel writes the 1 x 128-tiled FP8 input (and its
     re-tiled transpose) for :func:`fp8engine.ops.block_linear.block_fp8_linear`, which runs the three GEMMs
-    block-scaled (on the CPU reference path the norm runs in high precision and the op casts its output); with ``qkv_split`` the output is split by the high-precision ``split_grouped_qkv`` (its backward
-    assembles dq, dk, dv into one buffer that the block op casts: the fused QKV-gradient cast kernel writes
-    per-tensor scales only). In and out features must then be multiples of 128 (``ValueError`` at the first FP8
-    forward).
+    block-scaled (on the CPU reference path the norm runs in high precision and the op casts its output); with
+    ``qkv_split`` the output is split by the high-precision ``split_grouped_qkv`` (its backward assembles dq, dk,
+    dv into one buffer that the block op casts: the fused QKV-gradient cast kernel writes per-tensor scales only).
+    In and out features must then be multiples of 128 (``ValueError`` at the first FP8 forward).
 
     Outside autocast it equals ``F.linear(F.layer_norm(x, ...), weight, bias)`` (or ``F.rms_norm``) bit for bit.
 

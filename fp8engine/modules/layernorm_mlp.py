@@ -34,7 +34,8 @@ class LayerNormMLP(FP8Module):
     the kernel path the norm kernel writes fc1's 1 x 128-tiled FP8 input, the activation kernel fc2's and the
     activation-backward kernel fc1's FP8 gradient (with dbias), each with its re-tiled transpose; on the CPU
     reference path: norm (high precision) -> fc1 -> activation (high precision) -> fc2, each GEMM op casting its
-    inputs. ``fused`` and ``gelu_epilogue`` do not apply. ``hidden_size`` and ``F/tp`` (``2F/tp`` for swiglu) must be multiples of 128.
+    inputs. ``fused`` and ``gelu_epilogue`` do not apply. ``hidden_size`` and ``F/tp`` (``2F/tp`` for swiglu) must
+    be multiples of 128.
 
     Args:
         hidden_size: ``h``; ffn_hidden_size: ``F`` (both multiples of 16 for FP8, ``F/tp`` too).

@@ -85,7 +85,8 @@ def test_bf16_vs_float64(device, kind):
     """bf16 input: the fused kernels cast the fp32 result, the unfused path its bf16 rounding. Both against float64
     (F.gelu tanh / relu / silu * up of the same bf16 x, autograd for the backward). Measured (E4M3, power-of-two
     scales), fused vs unfused: forward 30.9-31.6 vs 30.8-31.6 dB, backward 31.4-31.7 vs 31.2-31.7 dB (data and
-    transposed alike; ReLU's values are exact in bf16, so there both are equal). Asserted: >= 28 dB (one E4M3 cast ~31 dB) and not worse than unfused by more than 0.1 dB."""
+    transposed alike; ReLU's values are exact in bf16, so there both are equal). Asserted: >= 28 dB (one E4M3
+    cast ~31 dB) and not worse than unfused by more than 0.1 dB."""
     x, dy = _inputs(kind, 256, 256, torch.bfloat16, device, seed=2)
     x64 = x.double().cpu().requires_grad_()
     if kind == "swiglu":
