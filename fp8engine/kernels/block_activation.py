@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import _masked_abs, as_2d, check_hp, check_launchable, fp8_cvt_mode, fp8_format, sum_partials, tl, triton
+from ._common import (_masked_abs, as_2d, cdiv, check_hp, check_launchable, fp8_cvt_mode, fp8_format, launch,
+                      sum_partials, tl, triton)
 from .activation import _GELU, _RELU, _SWIGLU, _act_bwd_math, _act_fwd_math, _gelu_tanh, _sigmoid
 from .block_cast import BLOCK, BLOCK_WARPS, _store_1x128_cols_t, _store_1x128_rows, cast_1x128_reference
 
@@ -179,7 +180,7 @@ def _rows_out(m: int, pad_rows: bool) -> int:
 def _outputs(m_out: int, nc: int, fp8_dtype, transpose: bool, device):
     data = torch.empty((m_out, nc), dtype=fp8_dtype, device=device)
     sinv_buf = torch.empty((nc // BLOCK, m_out), dtype=torch.float32, device=device)
-    mb = triton.cdiv(m_out, BLOCK)
+    mb = cdiv(m_out, BLOCK)
     data_t = torch.empty((nc, m_out), dtype=fp8_dtype, device=device) if transpose else None
     sinv_t_buf = torch.empty((mb, nc), dtype=torch.float32, device=device) if transpose else None
     return data, sinv_buf, data_t, sinv_t_buf
@@ -213,7 +214,7 @@ def act_fwd_1x128(x, kind, fp8_dtype, *, power_2_scale=True, transpose=False, pa
     data, sinv_buf, data_t, sinv_t_buf = _outputs(m_out, n, fp8_dtype, transpose, x.device)
     if m_out:
         u8 = data.view(torch.uint8)
-        _block_act_fwd_kernel[(triton.cdiv(m_out, BLOCK), n // BLOCK)](
+        launch(_block_act_fwd_kernel, (cdiv(m_out, BLOCK), n // BLOCK),
             x, u8, sinv_buf, data_t.view(torch.uint8) if transpose else u8,
             sinv_t_buf if transpose else sinv_buf, m, m_out, n,
             ACT=act, FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=True),
@@ -253,11 +254,11 @@ def act_bwd_1x128(dy, x, kind, fp8_dtype, *, power_2_scale=True, transpose=True,
     m = as_2d(x).shape[0]
     m_out = _rows_out(m, pad_rows)
     data, sinv_buf, data_t, sinv_t_buf = _outputs(m_out, nc, fp8_dtype, transpose, x.device)
-    grid_m = triton.cdiv(m_out, BLOCK)
+    grid_m = cdiv(m_out, BLOCK)
     parts = torch.empty((grid_m, nc), dtype=torch.float32, device=x.device) if dbias else sinv_buf
     if m_out:
         u8 = data.view(torch.uint8)
-        _block_act_bwd_kernel[(grid_m, n // BLOCK)](
+        launch(_block_act_bwd_kernel, (grid_m, n // BLOCK),
             dy, x, u8, sinv_buf, data_t.view(torch.uint8) if transpose else u8,
             sinv_t_buf if transpose else sinv_buf, parts, m, m_out, n,
             ACT=act, FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=True),

@@ -38,6 +38,7 @@ from ._common import (
     check_launchable,
     fp8_cvt_mode,
     fp8_format,
+    launch,
     tl,
     triton,
 )
@@ -184,7 +185,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: bool, transp
     sinv_t_buf = torch.empty((mb, k), dtype=torch.float32, device=dev) if transpose and mode == _MODE_1X128 else None
     if m and k:
         u8 = data.view(torch.uint8)
-        _block_cast_kernel[(mb, kb)](
+        launch(_block_cast_kernel, (mb, kb),
             x2, u8, sinv_buf, data_t.view(torch.uint8) if transpose else u8,
             sinv_t_buf if sinv_t_buf is not None else sinv_buf, m, k,
             FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=True), POW2=bool(power_2_scale),

@@ -47,10 +47,12 @@ from ._common import (
     _quantize,
     _round_to,
     as_2d,
+    cdiv,
     check_hp,
     check_launchable,
     fp8_cvt_mode,
     fp8_format,
+    launch,
     tl,
     triton,
 )
@@ -261,7 +263,7 @@ def norm_fwd_1x128(x, weight, bias, eps, fp8_dtype, *, rms=False, zero_centered_
     block_m, block_n, num_warps = _tile(n)
     dummy = rstd
     if m_out and n:
-        _block_norm_rows_kernel[(triton.cdiv(m_out, block_m),)](
+        launch(_block_norm_rows_kernel, (cdiv(m_out, block_m),),
             x2, residual if residual is not None else dummy, residual_out if residual_out is not None else dummy,
             weight, bias if has_bias else dummy, y if y is not None else dummy, data.view(torch.uint8), sinv_buf,
             mean if mean is not None else dummy, rstd, m, m_out, n, eps,
@@ -270,11 +272,11 @@ def norm_fwd_1x128(x, weight, bias, eps, fp8_dtype, *, rms=False, zero_centered_
             BLOCK_M=block_m, BLOCK_N=block_n, TILE=BLOCK, num_warps=num_warps)
     data_t = sinv_t = None
     if transpose:
-        mb = triton.cdiv(m_out, BLOCK)
+        mb = cdiv(m_out, BLOCK)
         data_t = torch.empty((n, m_out), dtype=fp8_dtype, device=dev)
         sinv_t_buf = torch.empty((mb, n), dtype=torch.float32, device=dev)
         if m_out and n:
-            _block_norm_t_kernel[(mb, n // BLOCK)](
+            launch(_block_norm_t_kernel, (mb, n // BLOCK),
                 residual_out if residual_out is not None else x2, weight, bias if has_bias else dummy,
                 mean if mean is not None else dummy, rstd, data_t.view(torch.uint8), sinv_t_buf, m, m_out, n,
                 IS_RMS=rms, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered_gamma, FP8_MAX=fp8_max,

@@ -30,7 +30,8 @@ from fp8engine.ops.block_gemm import block_gemm
 from fp8engine.ops.linear import main_grad_of
 from fp8engine.recipe import Float8BlockScaling
 
-__all__ = ["block_linear", "block_fp8_linear", "BlockLinearFunction", "check_block_dims", "BLOCK_DTYPES"]
+__all__ = ["block_linear", "block_fp8_linear", "BlockLinearFunction", "check_block_dims", "check_x_q",
+           "BLOCK_DTYPES"]
 
 _B = Float8BlockScaling.BLOCK_SIZE
 #: High-precision dtypes the block GEMM can write (``torch.nn.functional.scaled_mm``'s block-wise outputs).
@@ -69,9 +70,10 @@ class BlockLinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or fuse_wgrad
         if x_q is None:
             qx, qx_t = quantizers.input.quantize(_pad_rows(x2, pad), transpose=need_dw)
-        else:  # cast by the kernel that wrote x (the fused norm): rows already padded to a multiple of 128
+        else:  # cast by the kernel that wrote x (the fused norm): rows already padded to a multiple of 128; q_t
+            # is None when no backward runs (needs_input_grad stays True under no_grad; block_fp8_linear checked)
             qx, qx_t = x_q
-            assert qx.shape[0] == m + pad and (qx_t is not None or not need_dw), "x_q does not fit x"
+            assert qx.shape[0] == m + pad, "x_q does not fit x"
         qw, qw_t = quantizers.weight.quantize(weight, transpose=need_dx) if w_q is None else w_q
         if need_dx and qw_t is None:  # a cached weight cast without its transpose (exact for 128 x 128 blocks)
             qw_t = qw.t()
@@ -134,7 +136,16 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     if x.dtype not in BLOCK_DTYPES or weight.dtype not in BLOCK_DTYPES:
         raise TypeError(f"Float8BlockScaling: x is {x.dtype} and the weight {weight.dtype}; the block-scaled GEMMs "
                         "take bfloat16 or float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
+    check_x_q(x_q, torch.is_grad_enabled() and (weight.requires_grad or fuse_wgrad), "block_fp8_linear")
     return BlockLinearFunction.apply(x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw, x_q)
+
+
+def check_x_q(x_q: Optional[tuple], wgrad: bool, op: str) -> None:
+    """``ValueError`` when an already cast input ``x_q = (q, q_t)`` lacks the transpose ``q_t`` that the wgrad
+    GEMM reads and a wgrad will run (``wgrad``: gradients enabled and the weight needs one)."""
+    if x_q is not None and wgrad and x_q[1] is None:
+        raise ValueError(f"{op}: x_q has no transposed copy (q_t), which the weight gradient needs while gradients "
+                         "are enabled; cast it with transpose=True (block_norm_cast(..., transpose=True))")
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -35,7 +35,7 @@ from fp8engine.fp8.block_tensor import TILE_1x128, Float8BlockTensor
 from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers
 from fp8engine.ops.block_gemm import block_gemm
-from fp8engine.ops.block_linear import BLOCK_DTYPES, block_fp8_linear
+from fp8engine.ops.block_linear import BLOCK_DTYPES, block_fp8_linear, check_x_q
 from fp8engine.ops.linear import main_grad_of
 from fp8engine.ops.mlp import activation
 from fp8engine.recipe import Float8BlockScaling
@@ -80,9 +80,9 @@ class _BlockMLP(torch.autograd.Function):
         pad = -m % _B
         if x_q is None:
             qx, qx_t = fc1.input.quantize(F.pad(x2, (0, 0, 0, pad)) if pad else x2, transpose=need_dw1)
-        else:  # cast by the fused norm (ops.block_norm): rows padded already
+        else:  # cast by the fused norm (ops.block_norm): rows padded already; q_t None when no backward runs
             qx, qx_t = x_q
-            assert qx.shape[0] == m + pad and (qx_t is not None or not need_dw1), "x_q does not fit x"
+            assert qx.shape[0] == m + pad, "x_q does not fit x"
         qw1, qw1_t = _weight_pair(w1, fc1.weight, w1_q, need_x)
         qw2, qw2_t = _weight_pair(w2, fc2.weight, w2_q, need_dh)
         # fc1 fprop: h = x @ W1.T + b1 (the padding rows dropped: they would be b1, not zero)
@@ -170,6 +170,7 @@ def block_fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[
             if t.dtype not in BLOCK_DTYPES:
                 raise TypeError(f"Float8BlockScaling: {t.dtype} tensor; the block-scaled GEMMs take bfloat16 or "
                                 "float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
+        check_x_q(x_q, torch.is_grad_enabled() and (fc1_weight.requires_grad or fuse_wgrad), "block_fp8_mlp")
         return _BlockMLP.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, x_q, w1_q, w2_q, fc1, fc2, kind,
                                fuse_wgrad)
     if x_q is not None:

@@ -75,7 +75,10 @@ def test_kernel_matches_reference(device, fp8_dtype, dtype, rms, variant):
 @pytest.mark.parametrize("residual", [False, True])
 def test_fp32_equals_unfused_path(device, fp8_dtype, rms, residual):
     """fp32 input: the unfused path's intermediate y is the same fp32 value (same kernel math and tiling), so the
-    fused kernels write exactly the bits and scales of norm kernel -> cast_1x128 (both kernels)."""
+    fused kernels write exactly the bits and scales of norm kernel -> cast_1x128 (both kernels). Under the
+    interpreter: bit for bit. Compiled for a GPU the two kernels are scheduled differently (the compiler contracts
+    multiply-adds its own way in each), so y may differ by an fp32 ulp and a code near a rounding midpoint moves by
+    one step: measured on the H100, 1 of 127872 codes in 3 of the 8 cases (no-residual LayerNorm / RMSNorm)."""
     x, w, b, r = _inputs((333, 384), torch.float32, device, seed=1)
     r = r if residual else None
     (_, data, sinv, data_t, sinv_t, _, _), _ = _run(norm_fwd_1x128, x, w, None if rms else b, r, fp8_dtype,
@@ -83,8 +86,13 @@ def test_fp32_equals_unfused_path(device, fp8_dtype, rms, residual):
     res = {} if r is None else dict(residual=r, residual_out=torch.empty_like(x))
     y = rmsnorm_fwd(x, w, EPS, **res)[0] if rms else layernorm_fwd(x, w, b, EPS, **res)[0]
     u_data, u_sinv, u_data_t, u_sinv_t = cast_1x128(y, fp8_dtype, transpose=True)
-    assert_fp8_equal(data, u_data, fp8_dtype)
-    assert_fp8_equal(data_t, u_data_t, fp8_dtype)
+    if device == "cpu":
+        assert_fp8_equal(data, u_data, fp8_dtype)
+        assert_fp8_equal(data_t, u_data_t, fp8_dtype)
+    else:  # one step at most, 99.9 % identical (measured: all but 1 of 127872)
+        assert_fp8_close(data, u_data, fp8_dtype, min_equal=0.999)
+        assert_fp8_close(data_t, u_data_t, fp8_dtype, min_equal=0.999)
+    # power-of-two scales from the tile amaxes: an ulp of y moves a scale only where an amax sits on a power of two
     assert torch.equal(sinv, u_sinv) and torch.equal(sinv_t, u_sinv_t)
 
 

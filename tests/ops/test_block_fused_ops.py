@@ -171,3 +171,43 @@ def test_x_q_needs_the_fused_path():
     fc1, fc2 = _quantizers(gemms=2)
     with pytest.raises(ValueError, match="needs the fused path"):
         block_fp8_mlp(x, *params, "relu", fc1, fc2, x_q=fc1.input.quantize(x, transpose=True), fused=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Without gradients: the fused norm writes no transposed copy (evaluation, sampling in the training command)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", ["LayerNormLinear", "LayerNormMLP"])
+def test_no_grad_forward_equals_grad_forward(force_kernels, module):
+    """Under ``torch.no_grad`` the norm casts without the wgrad's transpose, while ``ctx.needs_input_grad`` of the
+    GEMM node still says True (autograd sets it from the inputs). The forward must run and give the bits of the
+    forward with gradients (a 3-token batch: the rows are padded to 128). It failed on the H100 with
+    ``x_q does not fit x`` (the training command's sampling under --recipe block)."""
+    import fp8engine as fe
+
+    force_kernels(True)
+    torch.manual_seed(0)
+    m = fe.LayerNormLinear(128, 256) if module == "LayerNormLinear" else fe.LayerNormMLP(128, 256)
+    x = torch.randn(3, 1, 128)
+    with fe.autocast(recipe=Float8BlockScaling()):
+        with torch.no_grad():
+            y0 = m(x)
+        y1 = m(x)
+    assert y1.requires_grad and not y0.requires_grad
+    assert torch.equal(y0, y1.detach())
+
+
+@pytest.mark.parametrize("op", ["linear", "mlp"])
+def test_x_q_without_transpose_refused_when_a_wgrad_runs(force_kernels, op):
+    force_kernels(True)
+    (q,) = _quantizers()
+    x = torch.randn(128, 128)
+    w = torch.randn(128, 128, requires_grad=True)
+    y, x_q, _ = block_norm_cast(x, torch.ones(128), None, 1e-5, rms=True, zero_centered_gamma=False,
+                                quantizer=q.input, transpose=False)
+    assert x_q[1] is None
+    with pytest.raises(ValueError, match="no transposed copy"):
+        if op == "linear":
+            block_fp8_linear(y, w, None, q, x_q=x_q)
+        else:
+            fc1, fc2 = _quantizers(gemms=2)
+            block_fp8_mlp(y, w, None, torch.randn(128, 128), None, "gelu", fc1, fc2, x_q=x_q, fused=True)
