@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.kernels import cublaslt
+from fp8engine.ops.gemm_ops import compiled_gemm_ops, mm_accumulate_fp8
 
 __all__ = ["fp8_gemm", "fp8_gemm_bias_gelu", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
 
@@ -92,8 +93,10 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     CPU, or when ``out`` is not contiguous or an operand is not 16-byte aligned (cuBLASLt's FP8 kernels refuse a
     4-byte-aligned output: status 15), it is :func:`fp8_mm` into float32 plus ``out.add_``. Both add the same fp32
     GEMM result to ``out`` (bit-identical on H200 in ``tests/ops/test_gemm_accumulate.py``, up to the algorithm
-    cuBLASLt picks). Operands and errors as :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also ``TypeError``
-    when ``out`` is not float32 and ``ValueError`` when it is not shaped ``[M, N]``.
+    cuBLASLt picks). Traced by ``torch.compile`` on CUDA: the custom op
+    :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8`, which runs this function (mutating ``out`` in place).
+    Operands and errors as :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also ``TypeError`` when ``out`` is not
+    float32 and ``ValueError`` when it is not shaped ``[M, N]``.
     """
     if out.dtype != torch.float32:
         raise TypeError(f"fp8_mm_accumulate accumulates into float32, got out of dtype {out.dtype}")
@@ -106,6 +109,9 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
         if all(t.data_ptr() % 16 == 0 for t in (a, b, out)):  # cuBLASLt checks dtypes and shapes
             cublaslt.scaled_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out)
             return
+    elif compiled_gemm_ops(out):  # traced by torch.compile on CUDA: this function as an opaque op (gemm_ops)
+        mm_accumulate_fp8(a, a_scale_inv, b, b_scale_inv, out, pad_inner)
+        return
     out.add_(fp8_mm(a, a_scale_inv, b, b_scale_inv, torch.float32, pad_inner=pad_inner))
 
 
@@ -134,6 +140,8 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     2026-11-21); ``h`` itself is the same. ``scale_inv`` is ``1 / scale`` (IEEE division, as the cast kernels write it).
     Args: a ``[M, K]`` / b ``[N, K]`` Float8Tensors (data viewed as 2-D); bias ``[N]``; scale / amax_out
     1-element float32 (``amax_out`` None: amax not recorded).
+    Under ``torch.compile`` this runs inside the custom op :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8`, which
+    takes the fallback itself where this returns None.
     """
     a2, b2 = _as_2d(a.data), _as_2d(b.data)
     if not (use_kernels(a2) and a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16)

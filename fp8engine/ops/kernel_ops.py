@@ -29,7 +29,8 @@ buffers (Inductor on CPU, torch 2.13: one fused fill for a TransformerLayer's fo
 buffers reinplaced: no copies).
 
 Outputs a call does not produce are returned as empty ``[0]`` tensors (a custom op's outputs are tensors, never
-aliases of its inputs).
+aliases of its inputs). The cuBLASLt GEMMs (GELU epilogue, accumulation into ``main_grad``) have their ops in
+:mod:`fp8engine.ops.gemm_ops`.
 """
 from __future__ import annotations
 

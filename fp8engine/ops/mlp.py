@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
+from fp8engine.ops.gemm_ops import gemm_bias_gelu_fp8
 from fp8engine.ops.kernel_ops import (ACT_KINDS, act_bwd_dbias_amax, act_bwd_fp8, act_fwd_amax, act_fwd_fp8,
                                       compiled_kernel_ops)
 from fp8engine.ops.comm import LinearComm
@@ -201,14 +202,25 @@ def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.
 
     With ``gelu_epilogue``, GELU, a bias, delayed scaling and a GPU whose cuBLASLt has the kernel, one GEMM with
     the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise :func:`fp8_gemm`
-    then :func:`act_fwd_cast`.
+    then :func:`act_fwd_cast`. Traced by ``torch.compile`` on CUDA under the same conditions: that GEMM as the
+    custom op :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8` (amax into the state's history slot, as
+    :func:`act_fwd_cast`'s op), which falls back inside itself where cuBLASLt cannot run the epilogue.
     """
-    if (gelu_epilogue and kind == "gelu" and b1 is not None and quantizer.delayed and quantizer.stats is None
-            and use_kernels(x_fp8.data)):  # not while FP8 stats record: they need the high-precision activation
-        fused = fp8_gemm_bias_gelu(x_fp8, w1_fp8, b1, out_dtype, quantizer.scale, quantizer.fp8_dtype,
-                                   quantizer.amax)
-        if fused is not None:
-            return fused  # a^T is made by the consumer's first transpose_2d() call, as in act_fwd_cast
+    # not while FP8 stats record: they need the high-precision activation
+    if gelu_epilogue and kind == "gelu" and b1 is not None and quantizer.delayed and quantizer.stats is None:
+        if use_kernels(x_fp8.data):
+            fused = fp8_gemm_bias_gelu(x_fp8, w1_fp8, b1, out_dtype, quantizer.scale, quantizer.fp8_dtype,
+                                       quantizer.amax)
+            if fused is not None:
+                return fused  # a^T is made by the consumer's first transpose_2d() call, as in act_fwd_cast
+        else:
+            op_args = _compiled_op_args(x_fp8.data, quantizer)
+            if op_args is not None:  # traced by torch.compile on CUDA: the epilogue GEMM as an opaque op
+                scale, amax = op_args  # the state's views (delayed scaling)
+                h, y8, scale_inv = gemm_bias_gelu_fp8(x_fp8.data.reshape(-1, x_fp8.shape[-1]), x_fp8.scale_inv,
+                                                      w1_fp8.data, w1_fp8.scale_inv, b1, out_dtype, scale,
+                                                      quantizer.fp8_dtype, amax)
+                return h, Float8Tensor(y8, scale_inv, out_dtype)
     h = fp8_gemm(x_fp8, w1_fp8, out_dtype, bias=None if b1 is None else b1.to(out_dtype), use_fast_accum=True)
     return h, act_fwd_cast(h, kind, quantizer, transpose=transpose)
 
