@@ -67,7 +67,7 @@ from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, captur
                                            load_checkpoint, restore_rng_state, save_checkpoint)
 from fp8engine.training.guard import NonFiniteGuard
 from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm,
-                                            init_layout)
+                                            init_layout, wait_for_all)
 from fp8engine.training.sharded_checkpoint import (SHARDED_DIR, CheckpointNotWritten, has_sharded, load_sharded,
                                                    read_sharded_settings, save_sharded, select_sharded)
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
@@ -544,8 +544,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (UsageError, CheckpointNotWritten) as err:  # raised on every rank alike (the ranks agreed)
         if run.layout.is_main:
             print(f"fp8engine.train: error: {err}", file=sys.stderr, flush=True)
-        else:  # torchrun stops the other ranks at the first exit: let rank 0 say it
-            time.sleep(2.0)
+        wait_for_all(run.layout)  # torchrun stops the other ranks at the first exit: rank 0 has said it by now
         return 2 if isinstance(err, UsageError) else 1
     except RuntimeError as err:  # torch.distributed's DistError and gloo's errors are RuntimeErrors
         if run.layout.world_size == 1:

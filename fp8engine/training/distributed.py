@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from fp8engine.training import UsageError
 
-__all__ = ["Layout", "env_world_size", "check_layout", "init_layout", "clip_grad_norm", "all_reduce_sum"]
+__all__ = ["Layout", "env_world_size", "check_layout", "init_layout", "clip_grad_norm", "all_reduce_sum",
+           "wait_for_all"]
 
 
 @dataclass
@@ -74,6 +75,14 @@ def init_layout(tp: int, device: torch.device, timeout: Optional[float] = None) 
     env = init_parallel(tp, backend=None if device.type == "cuda" else "gloo", timeout=timeout)
     return Layout(dist.get_rank(), dist.get_world_size(), env.dp_rank, env.dims.dp, env.dims.tp, env.tp_rank,
                   env.dp_group if env.dims.dp > 1 else None, env.tp_group if env.dims.tp > 1 else None)
+
+
+def wait_for_all(layout: Layout) -> None:
+    """A barrier of every rank (nothing for one process). Before the ranks leave on an error they all raised alike:
+    rank 0 prints the error line first, and ``torchrun`` stops the other ranks as soon as one exits, so no rank
+    may exit before rank 0 has printed (a fixed sleep lost that race on a loaded machine)."""
+    if layout.world_size > 1 and dist.is_initialized():
+        dist.barrier()
 
 
 def all_reduce_sum(values: list[float], group, device) -> list[float]:
