@@ -45,7 +45,6 @@ import torch
 from ._common import (
     _masked_abs,
     _quantize,
-    _round_to,
     as_2d,
     cdiv,
     check_hp,
@@ -63,7 +62,7 @@ from .block_cast import (
     _store_1x128_cols_t,
     cast_1x128_reference,
 )
-from .norm import MAX_N, _tile
+from .norm import MAX_N, _normalize_rows, _tile
 
 __all__ = ["norm_fwd_1x128", "norm_fwd_1x128_reference"]
 
@@ -104,28 +103,9 @@ def _block_norm_rows_kernel(
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    # ---- the norm: the same operations as norm._norm_fwd_kernel (same tiling), so the same fp32 values
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = _round_to(x.to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), x.dtype,
-                      CVT)
-        tl.store(s_ptr + offs, x, mask=mask)
-    x = x.to(tl.float32)
-    if IS_RMS:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        tl.store(mean_ptr + rows, mean, mask=rmask)
-    var = tl.sum(xc * xc, axis=1) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
-    tl.store(rstd_ptr + rows, rstd, mask=rmask)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    y = xc * rstd[:, None] * w[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    # ---- the norm: norm._norm_fwd_kernel's device function (same tiling), so the same fp32 values
+    y = _normalize_rows(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, rmask, cmask, offs, N, eps,
+                        IS_RMS, HAS_BIAS, HAS_RESIDUAL, ZERO_CENTERED, CVT)
     if WRITE_HP:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     # ---- the 1 x 128 cast of the fp32 y: padding rows (>= M) are zero, as the op's zero-padded input rows

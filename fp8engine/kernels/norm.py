@@ -91,6 +91,40 @@ def _tile(n: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _normalize_rows(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, rmask, cmask, offs, N, eps,
+                    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    ZERO_CENTERED: tl.constexpr, CVT: tl.constexpr):
+    """The forward normalisation of a tile of whole rows (``rows`` x ``cols``, ``offs`` their int64 offsets into the
+    row-major ``[M, N]`` tensors; pointers as :func:`_norm_fwd_kernel`'s): loads x (+ the residual, rounded to x's
+    dtype as torch's add, and stored to ``s_ptr``), stores mean (LayerNorm) and rstd, returns fp32 ``y`` (masked-off
+    lanes: not zeroed). Shared by the per-tensor and the block-scaled norm kernels (``block_norm``), so both compute
+    the same fp32 values."""
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = _round_to(x.to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), x.dtype,
+                      CVT)
+        tl.store(s_ptr + offs, x, mask=mask)
+    x = x.to(tl.float32)
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+    var = tl.sum(xc * xc, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
 def _norm_fwd_kernel(
     x_ptr,  # [M, N] input, row-major, high precision
     r_ptr,  # [M, N] residual in x's dtype; only if HAS_RESIDUAL
@@ -127,27 +161,8 @@ def _norm_fwd_kernel(
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:  # the residual connection: x + residual rounded to x's dtype (torch's add), then normalised
-        x = _round_to(x.to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), x.dtype,
-                      CVT)
-        tl.store(s_ptr + offs, x, mask=mask)
-    x = x.to(tl.float32)
-    if IS_RMS:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        tl.store(mean_ptr + rows, mean, mask=rmask)
-    var = tl.sum(xc * xc, axis=1) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
-    tl.store(rstd_ptr + rows, rstd, mask=rmask)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    y = xc * rstd[:, None] * w[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    y = _normalize_rows(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, rmask, cmask, offs, N, eps,
+                        IS_RMS, HAS_BIAS, HAS_RESIDUAL, ZERO_CENTERED, CVT)
     if WRITE_HP:
         yh = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs, yh, mask=mask)
