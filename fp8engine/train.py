@@ -212,6 +212,9 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
                                                      device=run.device)
     model = GPT(run.config, tp_group=layout.tp_group, sequence_parallel=run.args.sequence_parallel,
                 device=run.device, rng_tracker=run.rng_tracker)
+    if not run.args.fused_layer:
+        for layer in model.layers:
+            layer.fused = False
     optimizer = make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     if run.checkpoint is not None and layout.world_size > 1:
         run.checkpoint.update(load_sharded(run.checkpoint["dir"], layout, model, optimizer,

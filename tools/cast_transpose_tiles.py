@@ -31,7 +31,7 @@ default = (cast.TILE_M, cast.TILE_N, cast.TILE_WARPS, cast._hw_cvt_ok)
 def set_cvt(cvt: str) -> None:
     """Route the tiled kernel to one conversion: ``_hw_cvt_ok`` True -> Triton's; False -> inline PTX, or the
     emulation with ``FP8ENGINE_TILED_FP8_CVT=emulate`` (fp8engine/kernels/_common.py: fp8_cvt_mode)."""
-    cast._hw_cvt_ok = lambda x2: cvt == "triton"
+    cast._hw_cvt_ok = lambda m, n, dtype: cvt == "triton"
     if cvt == "emulate":
         os.environ["FP8ENGINE_TILED_FP8_CVT"] = "emulate"
     else:

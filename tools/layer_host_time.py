@@ -3,10 +3,12 @@
 
 At the small layer shape ``[128, 1, 256]`` (ffn 1024, 4 heads) the GPU work is negligible, so a step's time is the
 host's: Python, autograd and the dispatcher. For the plain PyTorch bf16 block (``fp8engine.bench.layer.PlainBlock``),
-our TransformerLayer in bf16, and under FP8 delayed and current scaling, it prints per fwd+bwd step:
+our TransformerLayer in bf16, and under FP8 delayed and current scaling (the fused layer step, and with
+``fused=False`` the sublayers one by one), it prints per fwd+bwd step:
 
 - ``host ms``: median wall time of the step's issue (``time.perf_counter`` around forward + backward, the GPU
-  synchronised before the step and not inside it; on a CPU device this includes the CPU's math too);
+  synchronised before the step and not inside it; on a CPU device this includes the CPU's math too), the median
+  over ``--rounds`` rounds that alternate the cases;
 - ``aten ops``: ATen operators called from outside another ATen operator (torch.profiler, CPU activity): the ops
   Python and autograd dispatch, each paying the dispatcher's host cost; ``aten ops (all)`` counts nested ones too;
 - ``launches`` (CUDA only): kernel launches seen by the profiler (runtime and driver API: ATen and Triton kernels).
@@ -20,6 +22,7 @@ Usage: python tools/layer_host_time.py [--device cuda|cpu] [--steps 50] [--profi
 """
 import argparse
 import collections
+import copy
 import cProfile
 import io
 import pstats
@@ -40,6 +43,7 @@ def _parse():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps per row, median reported (default 50 on CUDA, 2 on CPU, where FP8 GEMMs are slow)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over all cases; each row: median of the rounds")
     p.add_argument("--profile", choices=["delayed", "current", "bf16"],
                    help="also print the cProfile and ATen-op breakdown of this TransformerLayer case")
     p.add_argument("--top", type=int, default=40, help="rows of each cProfile table (with --profile)")
@@ -105,15 +109,25 @@ def main():
     plain = PlainBlock(args.hidden, args.ffn, args.heads, device=dev, dtype=dtype)
     ours = TransformerLayer(args.hidden, args.ffn, args.heads, hidden_dropout=0.0, attention_dropout=0.0,
                             params_dtype=dtype, device=dev)
+    composed = copy.deepcopy(ours)
+    composed.fused = False  # the sublayers one by one (TransformerLayer's ``fused`` step off)
     cases = [("plain PyTorch block bf16", plain, None), ("TransformerLayer bf16", ours, None),
              ("TransformerLayer fp8 delayed", ours, fe.DelayedScaling()),
-             ("TransformerLayer fp8 current", ours, fe.CurrentScaling())]
-    rows, by_name = [], {}
+             ("TransformerLayer fp8 current", ours, fe.CurrentScaling()),
+             ("TransformerLayer fp8 delayed, fused=False", composed, fe.DelayedScaling()),
+             ("TransformerLayer fp8 current, fused=False", composed, fe.CurrentScaling())]
+    rows, by_name, runs = [], {}, []
     for name, model, recipe in cases:
         run = fwd_bwd_step(model, x, dy, recipe)
         for _ in range(3):  # warm-up: caches, the first scale update, Triton compilation on CUDA
             run()
-        row = {"case": name, "host ms": _host_ms(run, args.steps, dev)}
+        runs.append(run)
+    times = [[] for _ in cases]
+    for _ in range(args.rounds):  # rounds alternate the cases: the host's speed drifts over a process
+        for i, run in enumerate(runs):
+            times[i].append(_host_ms(run, args.steps, dev))
+    for (name, _, _), run, t in zip(cases, runs, times):
+        row = {"case": name, "host ms": statistics.median(t)}
         row.update(_op_counts(run, dev))
         by_name[name] = row.pop("by name")
         rows.append(row)

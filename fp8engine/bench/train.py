@@ -8,7 +8,8 @@ and MFU against the GPU's dense bf16 peak, peak memory, and the ratio of tokens/
 
 Modes: ``bf16`` (eager), ``bf16-compile`` (``--compile --no-cuda-graphs``: ``torch.compile``'s default),
 ``bf16-graph`` (CUDA graph), ``bf16-compile-graph`` (compiled and captured), ``fp8-delayed`` and ``fp8-current``
-(eager, ``--no-cuda-graphs``), ``fp8-delayed-graph`` and ``fp8-current-graph`` (the command's default on CUDA),
+(eager, ``--no-cuda-graphs``; ``fp8-delayed-layers``: eager with ``--no-fused-layer``, each layer's sublayers
+one by one), ``fp8-delayed-graph`` and ``fp8-current-graph`` (the command's default on CUDA),
 ``fp8-delayed-compile`` and ``fp8-current-compile`` (``--compile --no-cuda-graphs``: Inductor; its first steps,
 which compile, fall in the skipped warm-up), ``fp8-*-compile-graph`` (``--compile`` on CUDA: the compiled step
 captured in the command's CUDA graph), ``fp8-block`` and ``fp8-block-graph``. Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding parameters plus the tied LM head,
@@ -41,6 +42,7 @@ MODES = {
     "bf16-graph": ["--precision", "bf16"],
     "fp8-delayed": ["--precision", "fp8", "--recipe", "delayed", "--no-cuda-graphs"],
     "fp8-delayed-graph": ["--precision", "fp8", "--recipe", "delayed"],
+    "fp8-delayed-layers": ["--precision", "fp8", "--recipe", "delayed", "--no-cuda-graphs", "--no-fused-layer"],
     "fp8-current": ["--precision", "fp8", "--recipe", "current", "--no-cuda-graphs"],
     "fp8-current-graph": ["--precision", "fp8", "--recipe", "current"],
     "fp8-delayed-compile": ["--precision", "fp8", "--recipe", "delayed", "--compile", "--no-cuda-graphs"],

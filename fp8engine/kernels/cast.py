@@ -67,13 +67,12 @@ TILE_N = 128
 TILE_WARPS = 4
 
 
-def _hw_cvt_ok(x2: torch.Tensor) -> bool:
-    """Whether the tiled kernel may use Triton's FP8 conversion for ``x2``: 16-bit inputs on full tiles, the
-    case tools/cast_transpose_tiles.py verified bit-exact on H200 (both copies, all tile shapes swept). fp32 inputs
-    (wrong bytes there with every tile shape) and partial tiles take the inline-PTX conversion (see
-    fp8_cvt_mode)."""
-    m, n = x2.shape
-    return x2.dtype in (torch.bfloat16, torch.float16) and m % TILE_M == 0 and n % TILE_N == 0
+def _hw_cvt_ok(m: int, n: int, dtype: torch.dtype) -> bool:
+    """Whether the tiled kernel may use Triton's FP8 conversion for an ``[m, n]`` input of ``dtype``: 16-bit
+    inputs on full tiles, the case tools/cast_transpose_tiles.py verified bit-exact on H200 (both copies, all tile
+    shapes swept). fp32 inputs (wrong bytes there with every tile shape) and partial tiles take the inline-PTX
+    conversion (see fp8_cvt_mode)."""
+    return dtype in (torch.bfloat16, torch.float16) and m % TILE_M == 0 and n % TILE_N == 0
 
 
 @triton.jit
@@ -215,7 +214,7 @@ def _launch_cast_transpose(x2, scale, fp8_dtype, amax_out, fp8_max, is_e4m3, dbi
     launch(_cast_transpose_kernel, (grid_m, grid_n),
         x2, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
         amax_out if amax_out is not None else scale_inv, parts if parts is not None else scale_inv, m, n,
-        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=not _hw_cvt_ok(x2)),
+        FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=not _hw_cvt_ok(m, n, x2.dtype)),
         HAS_AMAX=amax_out is not None, HAS_DBIAS=parts is not None, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
         SCALE_FROM_AMAX=scale_from_amax,
     )  # fmt: skip

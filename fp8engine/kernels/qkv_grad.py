@@ -213,8 +213,7 @@ def qkv_grad_cast_transpose_dbias(
     scale_inv = new_scale_inv(dq.device)
     grid = (cdiv(t, TILE_M), cdiv(c, TILE_N))
     parts = torch.empty((grid[0], c), dtype=torch.float32, device=dq.device)
-    # the decision cast_transpose_dbias makes for the assembled [T, C] buffer (a meta tensor: shape + dtype only)
-    hw_ok = _hw_cvt_ok(torch.empty((t, c), dtype=dq.dtype, device="meta"))
+    hw_ok = _hw_cvt_ok(t, c, dq.dtype)  # the decision cast_transpose_dbias makes for the assembled [T, C] buffer
     launch(_qkv_grad_cast_transpose_kernel, grid,
         dq, dk, dv, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
         amax_out if amax_out is not None else scale_inv, parts, t, c, b,

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.modules.attention import MultiheadAttention
 from fp8engine.modules.layernorm_mlp import LayerNormMLP
+from fp8engine.ops.layer import LayerPlan, fused_layer
 
 __all__ = ["TransformerLayer"]
 
@@ -37,6 +39,10 @@ class TransformerLayer(nn.Module):
         rng_tracker: object with ``fork()`` (:class:`fp8engine.parallel.RNGStatesTracker` after
             ``model_parallel_manual_seed``): attention dropout, and hidden dropout under sequence parallelism, draw
             from its per-tensor-parallel-rank state. None: the default generator.
+        fused: under per-tensor FP8 (delayed or current scaling) run the whole layer step as one autograd node
+            (:mod:`fp8engine.ops.layer`: the same kernels and GEMMs, a fraction of the host time) where it applies
+            (no tensor parallelism, no hidden dropout while training, fused QKV weight, not traced by
+            ``torch.compile``; otherwise the sublayers run one by one, as with ``fused=False``).
     Raises:
         ValueError: an invalid combination (heads/hidden, groups/heads, tp size vs heads/groups/ffn, unknown
             activation/normalization/mask type), naming what to change.
@@ -49,7 +55,7 @@ class TransformerLayer(nn.Module):
                  init_method: Optional[Callable] = None, output_layer_init_method: Optional[Callable] = None,
                  fuse_qkv_params: bool = True, fuse_wgrad_accumulation: bool = False,
                  zero_centered_gamma: bool = False, bias: bool = True, set_parallel_mode: bool = False,
-                 tp_group=None, sequence_parallel: bool = False, rng_tracker=None):
+                 tp_group=None, sequence_parallel: bool = False, rng_tracker=None, fused: bool = True):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
@@ -70,6 +76,7 @@ class TransformerLayer(nn.Module):
         # With sequence parallelism each rank holds a different slice of the sequence: its hidden-dropout mask
         # comes from the tracker's per-rank state (as in Megatron), not from the default generator shared by all.
         self._sp_rng = rng_tracker if sequence_parallel and set_parallel_mode else None
+        self.fused = fused
 
     def _dropout(self, branch: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
@@ -86,6 +93,10 @@ class TransformerLayer(nn.Module):
         ``rotary_pos_emb``: ``[s, 1, 1, r]`` angles from :class:`fp8engine.modules.RotaryEmbedding` (full ``s``).
         ``is_first_microbatch``: FP8 weight caching across micro-batches (None: cast every call).
         """
+        if self.fused and attention_mask is None:
+            plan = self._fused_plan(hidden_states, rotary_pos_emb, is_first_microbatch)
+            if plan is not None:
+                return fused_layer(hidden_states, plan[0], plan[1])
         # The first residual add runs inside the MLP's norm kernel (it normalises hidden_states + attn and returns
         # the sum x); the gradients reaching hidden_states and x through the residual path are added inside the
         # two norms' backward kernels (return_norm_input), so only the last add is a separate kernel.
@@ -94,3 +105,40 @@ class TransformerLayer(nn.Module):
         mlp_out, x = self.layernorm_mlp(self._dropout(attn), is_first_microbatch=is_first_microbatch,
                                         residual=hidden_in, return_norm_input=True)
         return x + self._dropout(mlp_out)
+
+    def _fused_plan(self, x: torch.Tensor, rope: Optional[torch.Tensor], is_first_microbatch: Optional[bool]):
+        """``(params, LayerPlan)`` for :func:`fp8engine.ops.layer.fused_layer`, or None where the fused step does
+        not apply (see ``fused`` in the class docstring; the composed sublayers then run)."""
+        attn, mlp = self.self_attention, self.layernorm_mlp
+        if (get_fp8_context() is None or torch.compiler.is_compiling() or x.dim() != 3
+                or (self.training and self.hidden_dropout > 0) or not attn.fuse_qkv_params
+                or not attn._input_layernorm or attn._padding or attn.config.tp_size > 1 or mlp.tp_group is not None
+                or not mlp.fused or mlp.return_layernorm_output):
+            return None
+        lq, proj = attn.layernorm_qkv, attn.proj
+        if (lq.return_layernorm_output or lq.tp_group is not None
+                or not lq.fuse_wgrad_accumulation == proj.fuse_wgrad_accumulation == mlp.fuse_wgrad_accumulation):
+            return None
+        if torch.is_autocast_enabled(x.device.type) and x.dtype != torch.get_autocast_dtype(x.device.type):
+            return None  # the composed sublayers cast between dtypes as autocast does
+        qa, qp, qm = lq.fp8_begin(), proj.fp8_begin(), mlp.fp8_begin()
+        if qa[0].input.is_block:
+            return None
+        cfg = attn.config
+        hl, gl, d = cfg.local_heads, cfg.local_groups, cfg.head_dim
+        w_qkv, b_qkv = lq._weight_bias()
+        w_fp8 = (lq.fp8_weight("weight", w_qkv, qa[0].weight, is_first_microbatch),
+                 proj.fp8_weight("weight", proj.weight, qp[0].weight, is_first_microbatch),
+                 mlp.fp8_weight("fc1_weight", mlp.fc1_weight, qm[0].weight, is_first_microbatch),
+                 mlp.fp8_weight("fc2_weight", mlp.fc2_weight, qm[1].weight, is_first_microbatch))
+        dropout_p = attn.attention_dropout if attn.training else 0.0
+        rng = attn.rng_tracker.fork if attn.rng_tracker is not None and dropout_p > 0 else None
+        plan = LayerPlan(qkv=qa[0], proj=qp[0], fc1=qm[0], fc2=qm[1], w_fp8=w_fp8, split=(gl, hl // gl, d),
+                         rope=rope, attn=dict(dropout_p=dropout_p, is_causal=attn._is_causal, enable_gqa=gl != hl),
+                         rng=rng, norm1=(lq.eps, lq._rms, lq.zero_centered_gamma),
+                         norm2=(mlp.eps, mlp._rms, mlp.zero_centered_gamma), kind=mlp.activation,
+                         fuse_wgrad=mlp.fuse_wgrad_accumulation, gelu_epilogue=mlp.gelu_epilogue)
+        params = (lq.layer_norm_weight, lq.layer_norm_bias, w_qkv, b_qkv, proj.weight, proj.bias,
+                  mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.fc1_weight, mlp.fc1_bias, mlp.fc2_weight,
+                  mlp.fc2_bias)
+        return params, plan

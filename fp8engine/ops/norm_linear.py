@@ -34,7 +34,7 @@ def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
              zero_centered_gamma: bool, quantizer: Optional[Quantizer] = None, transpose: bool = False,
-             return_hp: bool = True, residual: Optional[torch.Tensor] = None):
+             return_hp: bool = True, residual: Optional[torch.Tensor] = None, placeholder: bool = True):
     """Normalise the last dim of ``x`` and, with a ``quantizer``, cast the result to FP8.
 
     Args:
@@ -44,7 +44,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             deferred to the first ``y_fp8.transpose_2d()`` call).
         return_hp: False when only the FP8 copy is consumed: the fused kernel (delayed scaling) then skips writing
             the high-precision output and ``y`` is a placeholder of the right shape and dtype whose values must
-            not be read (it only carries the gradient back to this op, see :class:`_NormCast`).
+            not be read (it only carries the gradient back to this op, see :class:`_NormCast`); with
+            ``placeholder=False`` it is None instead (a caller that consumes only ``y_fp8``, no autograd output).
         residual: optional ``[..., N]`` like ``x``: normalise ``x + residual`` (the residual connection in front
             of a pre-norm sublayer; in the norm kernel on CUDA, torch's add elsewhere).
     Returns:
@@ -103,7 +104,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
                                                             return_hp=return_hp, **res)
         if residual is not None:
             x = res["residual_out"]
-        if y is None:  # gradient carrier only: one element broadcast to y's shape, no [M, N] write
+        if y is None and placeholder:  # gradient carrier only: one element broadcast to y's shape, no [M, N]
             y = x.new_empty(()).expand(x.shape)
         y_fp8 = None
         if delayed:

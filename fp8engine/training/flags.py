@@ -62,6 +62,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="on CUDA, run every step eagerly instead of capturing the training step in a CUDA graph "
                         "after two eager steps (the default for single-process CUDA runs)")
+    p.add_argument("--no-fused-layer", dest="fused_layer", action="store_false",
+                   help="under per-tensor FP8, run each transformer layer's sublayers one by one instead of the "
+                        "layer step as one autograd node (fp8engine.ops.layer; same math, more host time)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun; the other "
                                                      "processes form data-parallel replicas)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: norms/dropout on sequence shards")

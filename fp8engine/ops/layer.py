@@ -1,0 +1,225 @@
+"""A whole FP8 ``TransformerLayer`` step as one autograd node: the eager fast path of
+:class:`fp8engine.modules.TransformerLayer` under per-tensor scaling (delayed or current).
+
+Why: in eager mode a small layer's step time is its host time (Python, autograd, the dispatcher), and the composed
+layer pays it per sublayer: four FP8 autograd nodes (input norm + QKV GEMM, output projection, MLP norm, MLP),
+autograd's own nodes for the q/k/v views, their permutes and the rotary embedding (with gradient copies between
+them), and four module calls. This op issues the same kernels and GEMMs through the same functions
+(:func:`~fp8engine.ops.norm_linear.norm_fwd`, :func:`~fp8engine.ops.gemm.fp8_gemm`,
+:func:`~fp8engine.ops.mlp.fc1_fprop_act`, :func:`~fp8engine.ops.linear.dgrad_wgrad`, ...) from one forward and one
+backward, so it computes exactly what the composed layer computes: on CPU the same bits (tests compare them), on a
+GPU the same kernels in the same order.
+
+Forward (``[s, b, h]`` in, out; TransformerEngine's GEMM names):
+
+1. ``ln1 = norm1(x)`` written in FP8 by the norm kernel -> QKV fprop ``qkv = ln1 @ Wqkv.T + bqkv``;
+2. q, k, v: views of ``qkv`` in the grouped layout (:mod:`fp8engine.ops.qkv`), rotary embedding on q and k,
+   ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch picks the backend: cuDNN / flash / memory
+   efficient on CUDA, flash on CPU; its own autograd node, replayed in backward);
+3. the attention output cast to FP8 -> proj fprop ``a = ctx @ Wproj.T + bproj``;
+4. ``s2 = a + x`` and ``ln2 = norm2(s2)`` in one norm kernel, written in FP8 -> fc1 fprop (with the GELU epilogue
+   where it applies) -> activation in FP8 -> fc2 fprop ``m``; the output is ``s2 + m``.
+
+Backward runs the same steps in reverse: fc2 / fc1 (:func:`~fp8engine.ops.mlp.act_bwd_cast` between), norm2's
+backward with the residual gradient added in the kernel, proj's dgrad / wgrad, attention backward, the rotary
+backward (``dq = g cos - rotate_half(g sin)``), the QKV gradient cast straight from dq, dk, dv
+(``kernels.qkv_grad``) with its dgrad / wgrad, and norm1's backward with the gradient of the residual branch added.
+
+What it does not cover (:func:`fused_layer_applies` says no, and the layer runs its composed sublayers): block
+scaling, tensor / sequence parallelism, hidden dropout while training, ``torch.compile`` tracing, an input whose
+dtype is not the ``torch.autocast`` dtype, separate q / k / v weights or a layer without input norm,
+``return_layernorm_output``, the unfused MLP (``LayerNormMLP.fused=False``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.kernels.qkv_grad import assemble_qkv_grad
+from fp8engine.ops.gemm import fp8_gemm
+from fp8engine.ops.linear import dgrad_wgrad
+from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
+from fp8engine.ops.norm_linear import norm_bwd, norm_fwd
+from fp8engine.ops.qkv import _views
+
+__all__ = ["fused_layer", "LayerPlan"]
+
+
+class LayerPlan:
+    """The non-tensor arguments of one fused layer call (built by the layer for each call).
+
+    Attributes: ``qkv``, ``proj``, ``fc1``, ``fc2``: the GEMMs' :class:`~fp8engine.fp8.quantizer.LinearQuantizers`;
+    ``w_fp8``: the four FP8 weights ``(Wqkv, Wproj, W1, W2)`` (weight cache included); ``split``: ``(g, hpg, d)``
+    per rank; ``rope``: rotary angles ``[s, 1, 1, r]`` or None; ``attn``: keyword arguments of the attention call
+    (mask, dropout, causal, GQA); ``rng``: context manager factory for attention dropout (or None); ``norm1`` /
+    ``norm2``: ``(eps, rms, zero_centered_gamma)``; ``kind``: the activation; ``fuse_wgrad``; ``gelu_epilogue``.
+    """
+
+    __slots__ = ("qkv", "proj", "fc1", "fc2", "w_fp8", "split", "rope", "attn", "rng", "norm1", "norm2", "kind",
+                 "fuse_wgrad", "gelu_epilogue")
+
+    def __init__(self, **kw):
+        for name in self.__slots__:
+            setattr(self, name, kw[name])
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_bwd(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
+    """Gradient through :func:`fp8engine.modules.attention.apply_rotary_pos_emb` (a rotation: its transpose).
+    ``t' = t cos + rotate_half(t) sin`` gives ``dt = g cos + rotate_half^T(g sin)`` with
+    ``rotate_half^T(y1, y2) = (y2, -y1)``; channels past ``r`` pass through."""
+    rot = g if r == g.shape[-1] else g[..., :r]
+    gs = rot * sin
+    g1, g2 = gs.chunk(2, dim=-1)
+    d = rot * cos + torch.cat((g2, -g1), dim=-1)
+    return d if r == g.shape[-1] else torch.cat((d, g[..., r:]), dim=-1)
+
+
+def _gemm(x_fp8: Float8Tensor, w_fp8: Float8Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor]):
+    """fprop as :class:`fp8engine.ops.linear._FP8Linear` runs it (bias in the epilogue, fast accumulation)."""
+    if bias is not None and bias.dtype != dtype:
+        bias = bias.to(dtype)
+    return fp8_gemm(x_fp8, w_fp8, dtype, bias=bias, use_fast_accum=True)
+
+
+class _FP8TransformerLayer(torch.autograd.Function):
+    """The layer step (module docstring); inputs ``x`` and the 12 parameters (None where absent), then the plan."""
+
+    @staticmethod
+    def forward(ctx, x, ln1_w, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_w, ln2_b, w1, b1, w2, b2, p: LayerPlan):
+        s, b, h = x.shape
+        dt = x.dtype
+        wq8, wp8, w18, w28 = p.w_fp8
+        eps1, rms1, zc1 = p.norm1
+        eps2, rms2, zc2 = p.norm2
+        need = ctx.needs_input_grad
+        grad = any(need[:13])
+        x = x.contiguous()
+        # 1. input norm written in FP8 (its transpose is made when wgrad needs it), QKV fprop
+        _, ln1_8, mean1, rstd1, _ = norm_fwd(x, ln1_w, ln1_b, eps1, rms=rms1, zero_centered_gamma=zc1,
+                                             quantizer=p.qkv.input, transpose=grad, return_hp=False,
+                                             placeholder=False)
+        qkv = _gemm(ln1_8, wq8, dt, b_qkv)
+        # 2. attention on the grouped views (rotary: new q, k), through PyTorch's SDPA with its own autograd node
+        g, hpg, d = p.split
+        q, k, v = _views(qkv.view(s, b, qkv.shape[-1]), g, hpg, d)
+        q = q.reshape(s, b, g * hpg, d)
+        cos = sin = None
+        if p.rope is not None:
+            r = p.rope.shape[-1]
+            cos, sin = p.rope.cos().to(dt), p.rope.sin().to(dt)
+            q, k = _rope_fwd(q, cos, sin, r), _rope_fwd(k, cos, sin, r)
+        with torch.enable_grad():
+            qa, ka, va = (t.detach().permute(1, 2, 0, 3).requires_grad_(grad) for t in (q, k, v))
+            with p.rng() if p.rng is not None else contextlib.nullcontext():
+                o = F.scaled_dot_product_attention(qa, ka, va, **p.attn)
+        attn = o.detach().permute(2, 0, 1, 3).reshape(s * b, g * hpg * d)
+        # 3. output projection
+        ctx_8 = p.proj.input.quantize(attn, transpose=grad)
+        a = _gemm(ctx_8, wp8, dt, b_proj)
+        # 4. residual add in norm2's kernel (s2 = a + x), MLP
+        _, ln2_8, mean2, rstd2, s2 = norm_fwd(a.view(s, b, h), ln2_w, ln2_b, eps2, rms=rms2, zero_centered_gamma=zc2,
+                                              quantizer=p.fc1.input, transpose=grad, return_hp=False, residual=x,
+                                              placeholder=False)
+        hid, a8 = fc1_fprop_act(ln2_8, w18, b1, dt, p.kind, p.fc2.input, transpose=grad,
+                                gelu_epilogue=p.gelu_epilogue)
+        m = _gemm(a8, w28, dt, b2)
+        out = s2 + m.view(s, b, h)
+        p.w_fp8 = None  # the row-major FP8 weights are not needed again (the weight cache keeps its own)
+        if grad:
+            ctx.save_for_backward(x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2)
+            # backward keeps the transposed FP8 layouts only (as the composed ops do), and the SDPA graph
+            ctx.t = tuple((t.transpose_2d(), t.scale_inv) for t in (ln1_8, wq8, ctx_8, wp8, ln2_8, w18, a8, w28))
+            ctx.attn = (o, qa, ka, va)
+            ctx.hp = (mean1, rstd1, s2, mean2, rstd2, hid, cos, sin)
+            ctx.p = p
+            ctx.bias = (b_qkv is not None, b_proj is not None, ln2_b is not None, b1 is not None, b2 is not None,
+                        ln1_b is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2 = ctx.saved_tensors
+        p = ctx.p
+        ln1_t, wq_t, ctx_t, wp_t, ln2_t, w1_t, a_t, w2_t = ctx.t
+        o, qa, ka, va = ctx.attn
+        mean1, rstd1, s2, mean2, rstd2, hid, cos, sin = ctx.hp
+        has_bqkv, has_bp, has_ln2b, has_b1, has_b2, has_ln1b = ctx.bias
+        need = ctx.needs_input_grad
+        fuse = p.fuse_wgrad
+        ctx.t = ctx.attn = ctx.hp = ctx.p = None
+        s, b, h = dout.shape
+        dout = dout.contiguous()
+        # fc2, activation, fc1 (the MLP op's backward)
+        dy_8, db2 = p.fc2.grad_output.quantize_dbias(dout.view(s * b, h), transpose=True, dbias=has_b2 and need[12])
+        da, dw2 = dgrad_wgrad(dy_8, w2_t, a_t, w2, fuse)
+        dh_8, db1 = act_bwd_cast(da, hid, p.kind, p.fc1.grad_output, transpose=True, dbias=has_b1 and need[10])
+        dln2, dw1 = dgrad_wgrad(dh_8, w1_t, ln2_t, w1, fuse)
+        # norm2 with the residual's gradient added in the kernel: d s2 (= d a = d x through the residual)
+        eps2, rms2, zc2 = p.norm2
+        ds2, dln2_w, dln2_b = norm_bwd(dln2.view(s, b, h), s2, mean2, rstd2, ln2_w, rms=rms2,
+                                       zero_centered_gamma=zc2, has_bias=has_ln2b, dresidual=dout)
+        # output projection
+        dp_8, dbp = p.proj.grad_output.quantize_dbias(ds2.reshape(s * b, h), transpose=True,
+                                                      dbias=has_bp and need[6])
+        dattn, dwp = dgrad_wgrad(dp_8, wp_t, ctx_t, w_proj, fuse)
+        # attention (SDPA's own backward), rotary, the QKV gradient cast from dq, dk, dv
+        g, hpg, d = p.split
+        do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
+        dq, dk, dv = torch.autograd.grad(o, (qa, ka, va), do)
+        dq, dk, dv = (t.permute(2, 0, 1, 3) for t in (dq, dk, dv))
+        if cos is not None:
+            r = cos.shape[-1]
+            dq, dk = _rope_bwd(dq, cos, sin, r), _rope_bwd(dk, cos, sin, r)
+        dq = dq.reshape(s, b, g, hpg, d)
+        gq = p.qkv.grad_output
+        need_dbqkv = has_bqkv and need[4]
+        if gq.delayed and gq.stats is None and use_kernels(dq):
+            from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
+
+            data, data_t, scale_inv, dbqkv = qkv_grad_cast_transpose_dbias(dq, dk, dv, gq.scale, gq.fp8_dtype,
+                                                                           gq.amax)
+            dqkv_8 = Float8Tensor(data, scale_inv, dq.dtype, data_t)
+            dbqkv = dbqkv if need_dbqkv else None
+        else:
+            dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=hpg)
+            dqkv_8, dbqkv = gq.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=True, dbias=need_dbqkv)
+        dln1, dwq = dgrad_wgrad(dqkv_8, wq_t, ln1_t, w_qkv, fuse)
+        # input norm, with the gradient that reached x through the residual (ds2) added in the kernel
+        eps1, rms1, zc1 = p.norm1
+        dx, dln1_w, dln1_b = norm_bwd(dln1.view(s, b, h), x, mean1, rstd1, ln1_w, rms=rms1, zero_centered_gamma=zc1,
+                                      has_bias=has_ln1b, dresidual=ds2)
+        dbqkv, dbp, db1, db2 = (None if t is None else t.to(w.dtype)
+                                for t, w in ((dbqkv, w_qkv), (dbp, w_proj), (db1, w1), (db2, w2)))
+        return (dx, dln1_w, dln1_b if need[2] else None, dwq, dbqkv, dwp, dbp, dln2_w,
+                dln2_b if need[8] else None, dw1, db1, dw2, db2, None)
+
+
+def _rope_fwd(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
+    """:func:`fp8engine.modules.attention.apply_rotary_pos_emb` with ``cos``/``sin`` already in ``t.dtype``."""
+    rot, rest = (t, None) if r == t.shape[-1] else (t[..., :r], t[..., r:])
+    out = rot * cos + _rotate_half(rot) * sin
+    return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def fused_layer(x: torch.Tensor, params: tuple, plan: LayerPlan) -> torch.Tensor:
+    """One FP8 TransformerLayer step (module docstring) as one autograd node.
+
+    Args:
+        x: ``[s, b, h]`` bf16/fp16/fp32, the layer input (dims as :class:`fp8engine.modules.TransformerLayer`).
+        params: ``(ln1_w, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_w, ln2_b, w1, b1, w2, b2)`` (None for an
+            absent bias): the attention's input norm and fused QKV weight ``[g * (hpg + 2) * d, h]``, the output
+            projection ``[h, H * d]``, the MLP's norm, ``fc1`` ``[F or 2F, h]`` and ``fc2`` ``[h, F]``.
+        plan: a :class:`LayerPlan`.
+    Returns:
+        ``[s, b, h]`` in ``x.dtype``.
+    """
+    return _FP8TransformerLayer.apply(x, *params, plan)

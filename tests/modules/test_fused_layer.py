@@ -1,0 +1,175 @@
+"""The fused FP8 TransformerLayer step (``fp8engine.ops.layer``, ``TransformerLayer(fused=True)``) against the
+composed sublayers (``fused=False``): the same kernels and GEMMs in the same math, so on CPU the same bits --
+outputs, every gradient, and the FP8 scaling state after a few delayed-scaling steps. Plus: where it does not apply,
+the composed path runs (and gives the same result as ``fused=False`` by construction)."""
+import copy
+
+import pytest
+import torch
+
+import fp8engine
+from fp8engine.fp8.float8_tensor import kernels_forced
+from fp8engine.kernels._common import interpreting
+from fp8engine.modules import RotaryEmbedding, TransformerLayer
+from tests.conftest import sqnr
+import fp8engine.modules.transformer as transformer_mod
+
+H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
+
+
+def _pair(seed=0, **kw):
+    kw.setdefault("hidden_dropout", 0.0)
+    kw.setdefault("attention_dropout", 0.0)
+    torch.manual_seed(seed)
+    fused = TransformerLayer(H, FFN, HEADS, **kw)
+    composed = copy.deepcopy(fused)
+    composed.fused = False
+    return fused, composed
+
+
+def _steps(layer, xs, recipe, rope=None, grads=None, is_first=None):
+    """Forward + backward over ``xs`` (one FP8 region each, so delayed scaling updates between steps)."""
+    outs, x_grads = [], []
+    for i, x0 in enumerate(xs):
+        x = x0.clone().requires_grad_()
+        with fp8engine.autocast(recipe=recipe):
+            y = layer(x, rotary_pos_emb=rope, is_first_microbatch=None if is_first is None else is_first[i])
+        y.backward(grads[i])
+        outs.append(y.detach())
+        x_grads.append(x.grad)
+    return outs, x_grads
+
+
+def _assert_same(fused, composed, xs, recipe, rope=None, is_first=None):
+    grads = [torch.randn_like(x) for x in xs]
+    calls = []
+    real = transformer_mod.fused_layer
+    transformer_mod.fused_layer = lambda *a: calls.append(1) or real(*a)
+    try:
+        out_f, dx_f = _steps(fused, xs, recipe, rope, grads, is_first)
+    finally:
+        transformer_mod.fused_layer = real
+    assert len(calls) == len(xs), "the fused step did not run"
+    out_c, dx_c = _steps(composed, xs, recipe, rope, grads, is_first)
+    for a, b in zip(out_f + dx_f, out_c + dx_c):
+        assert torch.equal(a, b)  # same ops on the same inputs: exact
+    pf, pc = dict(fused.named_parameters()), dict(composed.named_parameters())
+    for name in pf:
+        assert torch.equal(pf[name].grad, pc[name].grad), name
+    bf, bc = dict(fused.named_buffers()), dict(composed.named_buffers())
+    for name in bf:  # amax histories and scales after the steps' updates
+        assert torch.equal(bf[name], bc[name]), name
+
+
+@pytest.mark.parametrize("recipe", [fp8engine.DelayedScaling(), fp8engine.CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("kw", [dict(), dict(activation="swiglu", normalization="RMSNorm", num_gqa_groups=2),
+                                dict(activation="relu", bias=False, zero_centered_gamma=True),
+                                dict(self_attn_mask_type="no_mask")],
+                         ids=["gelu-ln", "swiglu-rms-gqa", "relu-nobias-zc", "nomask"])
+@pytest.mark.parametrize("rope", [False, True], ids=["norope", "rope"])
+def test_fused_step_equals_composed(recipe, kw, rope):
+    fused, composed = _pair(**kw)
+    xs = [torch.randn(S, B, H) for _ in range(3)]
+    freqs = RotaryEmbedding(H // HEADS)(S) if rope else None
+    _assert_same(fused, composed, xs, recipe, freqs)
+
+
+def test_fused_step_bf16_partial_rotary_and_weight_caching():
+    fused, composed = _pair(params_dtype=torch.bfloat16)
+    xs = [torch.randn(S, B, H, dtype=torch.bfloat16) for _ in range(3)]
+    freqs = RotaryEmbedding(8)(S)  # rotates 8 of the 16 head channels
+    _assert_same(fused, composed, xs, fp8engine.DelayedScaling(), freqs, is_first=[True, False, False])
+
+
+def test_fused_step_fuse_wgrad_accumulation():
+    fused, composed = _pair(fuse_wgrad_accumulation=True)
+    for layer in (fused, composed):
+        for name, p in layer.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    xs = [torch.randn(S, B, H) for _ in range(2)]
+    grads = [torch.randn_like(x) for x in xs]
+    _steps(fused, xs, fp8engine.DelayedScaling(), grads=grads)
+    _steps(composed, xs, fp8engine.DelayedScaling(), grads=grads)
+    pc = dict(composed.named_parameters())
+    for name, p in fused.named_parameters():
+        if hasattr(p, "main_grad"):
+            assert p.grad is None and torch.equal(p.main_grad, pc[name].main_grad), name
+        else:
+            assert torch.equal(p.grad, pc[name].grad), name
+
+
+def test_fused_step_attention_dropout_draws_as_composed():
+    fused, composed = _pair(attention_dropout=0.5)
+    x = torch.randn(S, B, H)
+    g = torch.randn_like(x)
+    out = []
+    for layer in (fused, composed):
+        torch.manual_seed(7)
+        xi = x.clone().requires_grad_()
+        with fp8engine.autocast():
+            y = layer(xi)
+        y.backward(g)
+        out.append((y, xi.grad))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_not_applicable_runs_the_composed_sublayers():
+    """Hidden dropout while training, block scaling, no FP8 region, eval without grad: no fused step where it does
+    not apply; in eval mode under no_grad it applies (no backward state kept)."""
+    calls = []
+    real = transformer_mod.fused_layer
+    transformer_mod.fused_layer = lambda *a: calls.append(1) or real(*a)
+    try:
+        layer = TransformerLayer(128, 256, 4, hidden_dropout=0.1, attention_dropout=0.0)
+        x = torch.randn(S, B, 128)
+        with fp8engine.autocast():
+            layer(x)
+        layer(x)
+        with fp8engine.autocast(recipe=fp8engine.Float8BlockScaling()):
+            layer.eval()
+            layer(x)
+        assert calls == []
+        with torch.no_grad(), fp8engine.autocast():
+            y = layer(x)
+        assert calls == [1] and y.grad_fn is None
+    finally:
+        transformer_mod.fused_layer = real
+
+
+@pytest.mark.skipif(not interpreting(), reason="the Triton kernel path on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("recipe", [fp8engine.DelayedScaling(), fp8engine.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fused_step_equals_composed_on_the_kernel_path(recipe):
+    """The Triton kernels (interpreted): norm kernels writing FP8, the QKV gradient kernel, the activation kernels."""
+    fused, composed = _pair(params_dtype=torch.bfloat16)
+    xs = [torch.randn(S, B, H, dtype=torch.bfloat16) for _ in range(2)]
+    with kernels_forced():
+        _assert_same(fused, composed, xs, recipe, RotaryEmbedding(H // HEADS)(S))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", [fp8engine.DelayedScaling(), fp8engine.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_fused_step_close_to_composed_on_cuda(recipe):
+    """On the GPU: the same kernels in the same order, as the training command runs them (fp32 master parameters,
+    bf16 input under ``torch.autocast``). Forward: the same bits. Gradients: SDPA's backward on CUDA accumulates
+    dq with atomics (its bits vary from run to run, in either path), and FP8 casts of gradients that differ in the
+    last bit can round to neighbouring FP8 values: 25 dB (a few % of noise, far below what a real difference, such as
+    a dropped residual gradient or a wrong rotary sign, gives) is asked of every gradient."""
+    fused, composed = _pair(device="cuda")
+    freqs = RotaryEmbedding(H // HEADS)(S).cuda()
+    x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn_like(x)
+    out = []
+    for layer in (fused, composed):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16), fp8engine.autocast(recipe=recipe):
+            y = layer(xi, rotary_pos_emb=freqs)
+        y.backward(g)
+        out.append((y.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    assert torch.equal(out[0][0], out[1][0])
+    assert sqnr(out[1][1], out[0][1]) > 25
+    for name, grad in out[1][2].items():
+        assert sqnr(grad, out[0][2][name]) > 25, name
