@@ -197,7 +197,7 @@ class _FP8TransformerLayer(torch.autograd.Function):
         eps1, rms1, zc1 = p.norm1
         dx, dln1_w, dln1_b = norm_bwd(dln1.view(s, b, h), x, mean1, rstd1, ln1_w, rms=rms1, zero_centered_gamma=zc1,
                                       has_bias=has_ln1b, dresidual=ds2)
-        dbqkv, dbp, db1, db2 = (None if t is None else t.to(w.dtype)
+        dbqkv, dbp, db1, db2 = (t if t is None or t.dtype == w.dtype else t.to(w.dtype)
                                 for t, w in ((dbqkv, w_qkv), (dbp, w_proj), (db1, w1), (db2, w2)))
         return (dx, dln1_w, dln1_b if need[2] else None, dwq, dbqkv, dwp, dbp, dln2_w,
                 dln2_b if need[8] else None, dw1, db1, dw2, db2, None)
