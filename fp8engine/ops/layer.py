@@ -108,6 +108,11 @@ class _FP8TransformerLayer(torch.autograd.Function):
                                              quantizer=p.qkv.input, transpose=grad, return_hp=False,
                                              placeholder=False)
         qkv = _gemm(ln1_8, wq8, dt, b_qkv)
+        # backward keeps only the transposed FP8 layouts (dgrad: W^T, wgrad: X^T), made right after each GEMM and
+        # the row-major copies dropped, as the composed ops do (the transients of this forward stay as small)
+        keep = (lambda t: (t.transpose_2d(), t.scale_inv)) if grad else (lambda t: None)
+        t_ln1, t_wq = keep(ln1_8), keep(wq8)
+        del ln1_8
         # 2. attention on the grouped views (rotary: new q, k), through PyTorch's SDPA with its own autograd node
         g, hpg, d = p.split
         q, k, v = _views(qkv.view(s, b, qkv.shape[-1]), g, hpg, d)
@@ -121,23 +126,29 @@ class _FP8TransformerLayer(torch.autograd.Function):
             qa, ka, va = (t.detach().permute(1, 2, 0, 3).requires_grad_(grad) for t in (q, k, v))
             with p.rng() if p.rng is not None else contextlib.nullcontext():
                 o = F.scaled_dot_product_attention(qa, ka, va, **p.attn)
-        attn = o.detach().permute(2, 0, 1, 3).reshape(s * b, g * hpg * d)
+        del qkv, q, k, v
         # 3. output projection
-        ctx_8 = p.proj.input.quantize(attn, transpose=grad)
+        ctx_8 = p.proj.input.quantize(o.detach().permute(2, 0, 1, 3).reshape(s * b, g * hpg * d), transpose=grad)
         a = _gemm(ctx_8, wp8, dt, b_proj)
+        t_ctx, t_wp = keep(ctx_8), keep(wp8)
+        del ctx_8
         # 4. residual add in norm2's kernel (s2 = a + x), MLP
         _, ln2_8, mean2, rstd2, s2 = norm_fwd(a.view(s, b, h), ln2_w, ln2_b, eps2, rms=rms2, zero_centered_gamma=zc2,
                                               quantizer=p.fc1.input, transpose=grad, return_hp=False, residual=x,
                                               placeholder=False)
+        del a
         hid, a8 = fc1_fprop_act(ln2_8, w18, b1, dt, p.kind, p.fc2.input, transpose=grad,
                                 gelu_epilogue=p.gelu_epilogue)
+        t_ln2, t_w1 = keep(ln2_8), keep(w18)
+        del ln2_8
         m = _gemm(a8, w28, dt, b2)
-        out = s2 + m.view(s, b, h)
+        t_a, t_w2 = keep(a8), keep(w28)
+        del a8
         p.w_fp8 = None  # the row-major FP8 weights are not needed again (the weight cache keeps its own)
+        out = s2 + m.view(s, b, h)
         if grad:
             ctx.save_for_backward(x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2)
-            # backward keeps the transposed FP8 layouts only (as the composed ops do), and the SDPA graph
-            ctx.t = tuple((t.transpose_2d(), t.scale_inv) for t in (ln1_8, wq8, ctx_8, wp8, ln2_8, w18, a8, w28))
+            ctx.t = (t_ln1, t_wq, t_ctx, t_wp, t_ln2, t_w1, t_a, t_w2)
             ctx.attn = (o, qa, ka, va)
             ctx.hp = (mean1, rstd1, s2, mean2, rstd2, hid, cos, sin)
             ctx.p = p
