@@ -172,20 +172,27 @@ class _FP8TransformerLayer(torch.autograd.Function):
         # fc2, activation, fc1 (the MLP op's backward)
         dy_8, db2 = p.fc2.grad_output.quantize_dbias(dout.view(s * b, h), transpose=True, dbias=has_b2 and need[12])
         da, dw2 = dgrad_wgrad(dy_8, w2_t, a_t, w2, fuse)
+        # (each intermediate is dropped once used: autograd frees a node's buffers between the composed nodes)
+        del dy_8, w2_t, a_t
         dh_8, db1 = act_bwd_cast(da, hid, p.kind, p.fc1.grad_output, transpose=True, dbias=has_b1 and need[10])
+        del da, hid
         dln2, dw1 = dgrad_wgrad(dh_8, w1_t, ln2_t, w1, fuse)
+        del dh_8, w1_t, ln2_t
         # norm2 with the residual's gradient added in the kernel: d s2 (= d a = d x through the residual)
         eps2, rms2, zc2 = p.norm2
         ds2, dln2_w, dln2_b = norm_bwd(dln2.view(s, b, h), s2, mean2, rstd2, ln2_w, rms=rms2,
                                        zero_centered_gamma=zc2, has_bias=has_ln2b, dresidual=dout)
+        del dln2, s2, dout
         # output projection
         dp_8, dbp = p.proj.grad_output.quantize_dbias(ds2.reshape(s * b, h), transpose=True,
                                                       dbias=has_bp and need[6])
         dattn, dwp = dgrad_wgrad(dp_8, wp_t, ctx_t, w_proj, fuse)
+        del dp_8, wp_t, ctx_t
         # attention (SDPA's own backward), rotary, the QKV gradient cast from dq, dk, dv
         g, hpg, d = p.split
         do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
         dq, dk, dv = torch.autograd.grad(o, (qa, ka, va), do)
+        del do, dattn, o, qa, ka, va
         dq, dk, dv = (t.permute(2, 0, 1, 3) for t in (dq, dk, dv))
         if cos is not None:
             r = cos.shape[-1]
@@ -201,9 +208,12 @@ class _FP8TransformerLayer(torch.autograd.Function):
             dqkv_8 = Float8Tensor(data, scale_inv, dq.dtype, data_t)
             dbqkv = dbqkv if need_dbqkv else None
         else:
-            dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=hpg)
-            dqkv_8, dbqkv = gq.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=True, dbias=need_dbqkv)
+            dqkv = assemble_qkv_grad(dq, dk, dv, heads_per_group=hpg)
+            dqkv_8, dbqkv = gq.quantize_dbias(dqkv.view(s * b, -1), transpose=True, dbias=need_dbqkv)
+            del dqkv
+        del dq, dk, dv
         dln1, dwq = dgrad_wgrad(dqkv_8, wq_t, ln1_t, w_qkv, fuse)
+        del dqkv_8, wq_t, ln1_t
         # input norm, with the gradient that reached x through the residual (ds2) added in the kernel
         eps1, rms1, zc1 = p.norm1
         dx, dln1_w, dln1_b = norm_bwd(dln1.view(s, b, h), x, mean1, rstd1, ln1_w, rms=rms1, zero_centered_gamma=zc1,
