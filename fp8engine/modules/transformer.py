@@ -41,7 +41,7 @@ class TransformerLayer(nn.Module):
             from its per-tensor-parallel-rank state. None: the default generator.
         fused: under per-tensor FP8 (delayed or current scaling) run the whole layer step as one autograd node
             (:mod:`fp8engine.ops.layer`: the same kernels and GEMMs, a fraction of the host time) where it applies
-            (no tensor parallelism, no hidden dropout while training, fused QKV weight, not traced by
+            (no tensor parallelism, fused QKV weight, no padding mask, not traced by
             ``torch.compile``; otherwise the sublayers run one by one, as with ``fused=False``).
     Raises:
         ValueError: an invalid combination (heads/hidden, groups/heads, tp size vs heads/groups/ffn, unknown
@@ -111,7 +111,7 @@ class TransformerLayer(nn.Module):
         not apply (see ``fused`` in the class docstring; the composed sublayers then run)."""
         attn, mlp = self.self_attention, self.layernorm_mlp
         if (get_fp8_context() is None or torch.compiler.is_compiling() or x.dim() != 3
-                or (self.training and self.hidden_dropout > 0) or not attn.fuse_qkv_params
+                or not attn.fuse_qkv_params
                 or not attn._input_layernorm or attn._padding or attn.config.tp_size > 1 or mlp.tp_group is not None
                 or not mlp.fused or mlp.return_layernorm_output):
             return None
@@ -137,7 +137,8 @@ class TransformerLayer(nn.Module):
                          rope=rope, attn=dict(dropout_p=dropout_p, is_causal=attn._is_causal, enable_gqa=gl != hl),
                          rng=rng, norm1=(lq.eps, lq._rms, lq.zero_centered_gamma),
                          norm2=(mlp.eps, mlp._rms, mlp.zero_centered_gamma), kind=mlp.activation,
-                         fuse_wgrad=mlp.fuse_wgrad_accumulation, gelu_epilogue=mlp.gelu_epilogue)
+                         fuse_wgrad=mlp.fuse_wgrad_accumulation, gelu_epilogue=mlp.gelu_epilogue,
+                         hidden_dropout=self.hidden_dropout if self.training else 0.0)
         params = (lq.layer_norm_weight, lq.layer_norm_bias, w_qkv, b_qkv, proj.weight, proj.bias,
                   mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.fc1_weight, mlp.fc1_bias, mlp.fc2_weight,
                   mlp.fc2_bias)

@@ -25,10 +25,13 @@ backward with the residual gradient added in the kernel, proj's dgrad / wgrad, a
 backward (``dq = g cos - rotate_half(g sin)``), the QKV gradient cast straight from dq, dk, dv
 (``kernels.qkv_grad``) with its dgrad / wgrad, and norm1's backward with the gradient of the residual branch added.
 
-What it does not cover (:func:`fused_layer_applies` says no, and the layer runs its composed sublayers): block
-scaling, tensor / sequence parallelism, hidden dropout while training, ``torch.compile`` tracing, an input whose
-dtype is not the ``torch.autocast`` dtype, separate q / k / v weights or a layer without input norm,
-``return_layernorm_output``, the unfused MLP (``LayerNormMLP.fused=False``).
+Hidden dropout (training) runs ``F.dropout`` on the attention and MLP branches where the composed layer does, in the
+same order (so the same masks), each as its own small autograd node replayed in backward, as SDPA's.
+
+What it does not cover (``TransformerLayer._fused_plan`` returns None, and the layer runs its composed sublayers):
+block scaling, tensor / sequence parallelism, ``torch.compile`` tracing, a padding mask, an input whose dtype is not
+the ``torch.autocast`` dtype, separate q / k / v weights or a layer without input norm, ``return_layernorm_output``,
+the unfused MLP (``LayerNormMLP.fused=False``).
 """
 from __future__ import annotations
 
@@ -56,11 +59,12 @@ class LayerPlan:
     ``w_fp8``: the four FP8 weights ``(Wqkv, Wproj, W1, W2)`` (weight cache included); ``split``: ``(g, hpg, d)``
     per rank; ``rope``: rotary angles ``[s, 1, 1, r]`` or None; ``attn``: keyword arguments of the attention call
     (mask, dropout, causal, GQA); ``rng``: context manager factory for attention dropout (or None); ``norm1`` /
-    ``norm2``: ``(eps, rms, zero_centered_gamma)``; ``kind``: the activation; ``fuse_wgrad``; ``gelu_epilogue``.
+    ``norm2``: ``(eps, rms, zero_centered_gamma)``; ``kind``: the activation; ``fuse_wgrad``; ``gelu_epilogue``;
+    ``hidden_dropout``: the probability applied to each branch before its residual add (0.0: none).
     """
 
     __slots__ = ("qkv", "proj", "fc1", "fc2", "w_fp8", "split", "rope", "attn", "rng", "norm1", "norm2", "kind",
-                 "fuse_wgrad", "gelu_epilogue")
+                 "fuse_wgrad", "gelu_epilogue", "hidden_dropout")
 
     def __init__(self, **kw):
         for name in self.__slots__:
@@ -132,8 +136,9 @@ class _FP8TransformerLayer(torch.autograd.Function):
         a = _gemm(ctx_8, wp8, dt, b_proj)
         t_ctx, t_wp = keep(ctx_8), keep(wp8)
         del ctx_8
+        a, a_drop = _dropout_fwd(a.view(s, b, h), p.hidden_dropout, grad)
         # 4. residual add in norm2's kernel (s2 = a + x), MLP
-        _, ln2_8, mean2, rstd2, s2 = norm_fwd(a.view(s, b, h), ln2_w, ln2_b, eps2, rms=rms2, zero_centered_gamma=zc2,
+        _, ln2_8, mean2, rstd2, s2 = norm_fwd(a, ln2_w, ln2_b, eps2, rms=rms2, zero_centered_gamma=zc2,
                                               quantizer=p.fc1.input, transpose=grad, return_hp=False, residual=x,
                                               placeholder=False)
         del a
@@ -145,11 +150,13 @@ class _FP8TransformerLayer(torch.autograd.Function):
         t_a, t_w2 = keep(a8), keep(w28)
         del a8
         p.w_fp8 = None  # the row-major FP8 weights are not needed again (the weight cache keeps its own)
-        out = s2 + m.view(s, b, h)
+        m, m_drop = _dropout_fwd(m.view(s, b, h), p.hidden_dropout, grad)
+        out = s2 + m
         if grad:
             ctx.save_for_backward(x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2)
             ctx.t = (t_ln1, t_wq, t_ctx, t_wp, t_ln2, t_w1, t_a, t_w2)
             ctx.attn = (o, qa, ka, va)
+            ctx.drop = (a_drop, m_drop)
             ctx.hp = (mean1, rstd1, s2, mean2, rstd2, hid, cos, sin)
             ctx.p = p
             ctx.bias = (b_qkv is not None, b_proj is not None, ln2_b is not None, b1 is not None, b2 is not None,
@@ -166,11 +173,14 @@ class _FP8TransformerLayer(torch.autograd.Function):
         has_bqkv, has_bp, has_ln2b, has_b1, has_b2, has_ln1b = ctx.bias
         need = ctx.needs_input_grad
         fuse = p.fuse_wgrad
-        ctx.t = ctx.attn = ctx.hp = ctx.p = None
+        a_drop, m_drop = ctx.drop
+        ctx.t = ctx.attn = ctx.hp = ctx.p = ctx.drop = None
         s, b, h = dout.shape
         dout = dout.contiguous()
-        # fc2, activation, fc1 (the MLP op's backward)
-        dy_8, db2 = p.fc2.grad_output.quantize_dbias(dout.view(s * b, h), transpose=True, dbias=has_b2 and need[12])
+        # fc2, activation, fc1 (the MLP op's backward), behind the hidden dropout of the MLP branch
+        dm = _dropout_bwd(m_drop, dout)
+        dy_8, db2 = p.fc2.grad_output.quantize_dbias(dm.view(s * b, h), transpose=True, dbias=has_b2 and need[12])
+        del dm, m_drop
         da, dw2 = dgrad_wgrad(dy_8, w2_t, a_t, w2, fuse)
         # (each intermediate is dropped once used: autograd frees a node's buffers between the composed nodes)
         del dy_8, w2_t, a_t
@@ -183,9 +193,11 @@ class _FP8TransformerLayer(torch.autograd.Function):
         ds2, dln2_w, dln2_b = norm_bwd(dln2.view(s, b, h), s2, mean2, rstd2, ln2_w, rms=rms2,
                                        zero_centered_gamma=zc2, has_bias=has_ln2b, dresidual=dout)
         del dln2, s2, dout
-        # output projection
-        dp_8, dbp = p.proj.grad_output.quantize_dbias(ds2.reshape(s * b, h), transpose=True,
+        # output projection, behind the hidden dropout of the attention branch
+        da = _dropout_bwd(a_drop, ds2)
+        dp_8, dbp = p.proj.grad_output.quantize_dbias(da.reshape(s * b, h), transpose=True,
                                                       dbias=has_bp and need[6])
+        del da, a_drop
         dattn, dwp = dgrad_wgrad(dp_8, wp_t, ctx_t, w_proj, fuse)
         del dp_8, wp_t, ctx_t
         # attention (SDPA's own backward), rotary, the QKV gradient cast from dq, dk, dv
@@ -222,6 +234,28 @@ class _FP8TransformerLayer(torch.autograd.Function):
                                 for t, w in ((dbqkv, w_qkv), (dbp, w_proj), (db1, w1), (db2, w2)))
         return (dx, dln1_w, dln1_b if need[2] else None, dwq, dbqkv, dwp, dbp, dln2_w,
                 dln2_b if need[8] else None, dw1, db1, dw2, db2, None)
+
+
+def _dropout_fwd(t: torch.Tensor, prob: float, grad: bool):
+    """``F.dropout(t, prob)`` as the composed layer draws it (same RNG calls, so the same mask), as its own
+    autograd node when a backward will run (replayed by :func:`_dropout_bwd`): ``(output, node output or None)``.
+    ``prob`` 0: ``(t, None)``."""
+    if prob == 0.0:
+        return t, None
+    if not grad:
+        return F.dropout(t, prob, training=True), None
+    with torch.enable_grad():
+        leaf = t.detach().requires_grad_()
+        out = F.dropout(leaf, prob, training=True)
+    return out.detach(), (out, leaf)
+
+
+def _dropout_bwd(saved, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient through :func:`_dropout_fwd` (``saved``: its second output)."""
+    if saved is None:
+        return grad
+    out, leaf = saved
+    return torch.autograd.grad(out, leaf, grad)[0]
 
 
 def _rope_fwd(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:

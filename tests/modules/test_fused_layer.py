@@ -28,7 +28,9 @@ def _pair(seed=0, **kw):
 
 
 def _steps(layer, xs, recipe, rope=None, grads=None, is_first=None):
-    """Forward + backward over ``xs`` (one FP8 region each, so delayed scaling updates between steps)."""
+    """Forward + backward over ``xs`` (one FP8 region each, so delayed scaling updates between steps), from one RNG
+    seed (dropout masks)."""
+    torch.manual_seed(123)
     outs, x_grads = [], []
     for i, x0 in enumerate(xs):
         x = x0.clone().requires_grad_()
@@ -65,8 +67,9 @@ def _assert_same(fused, composed, xs, recipe, rope=None, is_first=None):
                          ids=["delayed", "current"])
 @pytest.mark.parametrize("kw", [dict(), dict(activation="swiglu", normalization="RMSNorm", num_gqa_groups=2),
                                 dict(activation="relu", bias=False, zero_centered_gamma=True),
-                                dict(self_attn_mask_type="no_mask")],
-                         ids=["gelu-ln", "swiglu-rms-gqa", "relu-nobias-zc", "nomask"])
+                                dict(self_attn_mask_type="no_mask"),
+                                dict(hidden_dropout=0.3, attention_dropout=0.2)],
+                         ids=["gelu-ln", "swiglu-rms-gqa", "relu-nobias-zc", "nomask", "dropout"])
 @pytest.mark.parametrize("rope", [False, True], ids=["norope", "rope"])
 def test_fused_step_equals_composed(recipe, kw, rope):
     fused, composed = _pair(**kw)
@@ -116,16 +119,20 @@ def test_fused_step_attention_dropout_draws_as_composed():
 
 
 def test_not_applicable_runs_the_composed_sublayers():
-    """Hidden dropout while training, block scaling, no FP8 region, eval without grad: no fused step where it does
-    not apply; in eval mode under no_grad it applies (no backward state kept)."""
+    """Separate q/k/v weights, block scaling, no FP8 region, a padding mask: no fused step where it does not apply;
+    in eval mode under no_grad it applies (no backward state kept)."""
     calls = []
     real = transformer_mod.fused_layer
     transformer_mod.fused_layer = lambda *a: calls.append(1) or real(*a)
     try:
-        layer = TransformerLayer(128, 256, 4, hidden_dropout=0.1, attention_dropout=0.0)
         x = torch.randn(S, B, 128)
+        split = TransformerLayer(128, 256, 4, fuse_qkv_params=False)
         with fp8engine.autocast():
-            layer(x)
+            split(x)
+        padded = TransformerLayer(128, 256, 4, self_attn_mask_type="padding")
+        with fp8engine.autocast():
+            padded(x, attention_mask=torch.zeros(B, 1, 1, S, dtype=torch.bool))
+        layer = TransformerLayer(128, 256, 4)
         layer(x)
         with fp8engine.autocast(recipe=fp8engine.Float8BlockScaling()):
             layer.eval()
