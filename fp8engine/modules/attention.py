@@ -23,6 +23,7 @@ from fp8engine.modules.layernorm_linear import (LayerNormLinear, check_choice, c
                                                 master_weight, no_init, shard, tp_comm, tp_size_rank)
 from fp8engine.modules.linear import Linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS
+from fp8engine.ops.rotary import rope_cos_sin, rope_fwd
 
 __all__ = ["MultiheadAttention", "RotaryEmbedding", "apply_rotary_pos_emb", "AttentionConfig", "ATTN_MASK_TYPES"]
 
@@ -53,19 +54,11 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((freqs, freqs), dim=-1).reshape(max_seq_len, 1, 1, self.dim)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate ``t [s, b, n, d]`` by angles ``freqs [s, 1, 1, r]`` (r <= d; the first r channels rotate):
-    ``t * cos + rotate_half(t) * sin``, rotate_half(x1, x2) = (-x2, x1). Result in ``t.dtype``."""
-    r = freqs.shape[-1]
-    rot, rest = (t, None) if r == t.shape[-1] else (t[..., :r], t[..., r:])
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    out = rot * cos + _rotate_half(rot) * sin
-    return out if rest is None else torch.cat((out, rest), dim=-1)
+    ``t * cos + rotate_half(t) * sin``, rotate_half(x1, x2) = (-x2, x1). Result in ``t.dtype``
+    (:func:`fp8engine.ops.rotary.rope_fwd`)."""
+    return rope_fwd(t, *rope_cos_sin(freqs, t.dtype))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.kernels import cublaslt
 from fp8engine.ops.gemm_ops import compiled_gemm_ops, mm_accumulate_fp8
 
-__all__ = ["fp8_gemm", "fp8_gemm_bias_gelu", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
+__all__ = ["fp8_gemm", "fp8_fprop", "fp8_gemm_bias_gelu", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ALIGN = 16  # cuBLASLt FP8 requires K and N to be multiples of 16 (torch._scaled_mm checks it on CUDA)
@@ -123,6 +123,16 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, bias=N
     b_data = b.transpose_2d() if transpose_b else _as_2d(b.data)
     return fp8_mm(a_data, a.scale_inv, b_data, b.scale_inv, out_dtype, bias=bias, use_fast_accum=use_fast_accum,
                   pad_inner=pad_inner)
+
+
+def fp8_fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A linear layer's fprop ``y = x @ w.T + bias`` (``[M, N]`` in ``out_dtype``): the bias brought to
+    ``out_dtype`` (added in the GEMM epilogue for bf16/fp16, see :func:`fp8_mm`) and cuBLASLt's fast accumulation,
+    as TransformerEngine runs fprop (dgrad and wgrad accumulate exactly)."""
+    if bias is not None and bias.dtype != out_dtype:
+        bias = bias.to(out_dtype)
+    return fp8_gemm(x, w, out_dtype, bias=bias, use_fast_accum=True)
 
 
 def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out_dtype: torch.dtype,

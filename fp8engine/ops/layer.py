@@ -5,7 +5,7 @@ Why: in eager mode a small layer's step time is its host time (Python, autograd,
 layer pays it per sublayer: four FP8 autograd nodes (input norm + QKV GEMM, output projection, MLP norm, MLP),
 autograd's own nodes for the q/k/v views, their permutes and the rotary embedding (with gradient copies between
 them), and four module calls. This op issues the same kernels and GEMMs through the same functions
-(:func:`~fp8engine.ops.norm_linear.norm_fwd`, :func:`~fp8engine.ops.gemm.fp8_gemm`,
+(:func:`~fp8engine.ops.norm_linear.norm_fwd`, :func:`~fp8engine.ops.gemm.fp8_fprop`,
 :func:`~fp8engine.ops.mlp.fc1_fprop_act`, :func:`~fp8engine.ops.linear.dgrad_wgrad`, ...) from one forward and one
 backward, so it computes exactly what the composed layer computes: on CPU the same bits (tests compare them), on a
 GPU the same kernels in the same order.
@@ -41,13 +41,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
-from fp8engine.kernels.qkv_grad import assemble_qkv_grad
-from fp8engine.ops.gemm import fp8_gemm
+from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.ops.gemm import fp8_fprop
 from fp8engine.ops.linear import dgrad_wgrad
 from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
 from fp8engine.ops.norm_linear import norm_bwd, norm_fwd
-from fp8engine.ops.qkv import _views
+from fp8engine.ops.qkv import _views, qkv_grad_fp8
+from fp8engine.ops.rotary import rope_bwd, rope_cos_sin, rope_fwd
 
 __all__ = ["fused_layer", "LayerPlan"]
 
@@ -71,29 +71,6 @@ class LayerPlan:
             setattr(self, name, kw[name])
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope_bwd(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
-    """Gradient through :func:`fp8engine.modules.attention.apply_rotary_pos_emb` (a rotation: its transpose).
-    ``t' = t cos + rotate_half(t) sin`` gives ``dt = g cos + rotate_half^T(g sin)`` with
-    ``rotate_half^T(y1, y2) = (y2, -y1)``; channels past ``r`` pass through."""
-    rot = g if r == g.shape[-1] else g[..., :r]
-    gs = rot * sin
-    g1, g2 = gs.chunk(2, dim=-1)
-    d = rot * cos + torch.cat((g2, -g1), dim=-1)
-    return d if r == g.shape[-1] else torch.cat((d, g[..., r:]), dim=-1)
-
-
-def _gemm(x_fp8: Float8Tensor, w_fp8: Float8Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor]):
-    """fprop as :class:`fp8engine.ops.linear._FP8Linear` runs it (bias in the epilogue, fast accumulation)."""
-    if bias is not None and bias.dtype != dtype:
-        bias = bias.to(dtype)
-    return fp8_gemm(x_fp8, w_fp8, dtype, bias=bias, use_fast_accum=True)
-
-
 class _FP8TransformerLayer(torch.autograd.Function):
     """The layer step (module docstring); inputs ``x`` and the 12 parameters (None where absent), then the plan."""
 
@@ -111,7 +88,7 @@ class _FP8TransformerLayer(torch.autograd.Function):
         _, ln1_8, mean1, rstd1, _ = norm_fwd(x, ln1_w, ln1_b, eps1, rms=rms1, zero_centered_gamma=zc1,
                                              quantizer=p.qkv.input, transpose=grad, return_hp=False,
                                              placeholder=False)
-        qkv = _gemm(ln1_8, wq8, dt, b_qkv)
+        qkv = fp8_fprop(ln1_8, wq8, dt, b_qkv)
         # backward keeps only the transposed FP8 layouts (dgrad: W^T, wgrad: X^T), made right after each GEMM and
         # the row-major copies dropped, as the composed ops do (the transients of this forward stay as small)
         keep = (lambda t: (t.transpose_2d(), t.scale_inv)) if grad else (lambda t: None)
@@ -123,20 +100,18 @@ class _FP8TransformerLayer(torch.autograd.Function):
         q = q.reshape(s, b, g * hpg, d)
         cos = sin = None
         if p.rope is not None:
-            r = p.rope.shape[-1]
-            cos, sin = p.rope.cos().to(dt), p.rope.sin().to(dt)
-            q, k = _rope_fwd(q, cos, sin, r), _rope_fwd(k, cos, sin, r)
-        with torch.enable_grad():
-            qa, ka, va = (t.detach().permute(1, 2, 0, 3).requires_grad_(grad) for t in (q, k, v))
-            with p.rng() if p.rng is not None else contextlib.nullcontext():
-                o = F.scaled_dot_product_attention(qa, ka, va, **p.attn)
+            cos, sin = rope_cos_sin(p.rope, dt)
+            q, k = rope_fwd(q, cos, sin), rope_fwd(k, cos, sin)
+        with p.rng() if p.rng is not None else contextlib.nullcontext():
+            o, attn_node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn),
+                                     [t.permute(1, 2, 0, 3) for t in (q, k, v)], grad)
         del qkv, q, k, v
         # 3. output projection
-        ctx_8 = p.proj.input.quantize(o.detach().permute(2, 0, 1, 3).reshape(s * b, g * hpg * d), transpose=grad)
-        a = _gemm(ctx_8, wp8, dt, b_proj)
+        ctx_8 = p.proj.input.quantize(o.permute(2, 0, 1, 3).reshape(s * b, g * hpg * d), transpose=grad)
+        a = fp8_fprop(ctx_8, wp8, dt, b_proj)
         t_ctx, t_wp = keep(ctx_8), keep(wp8)
         del ctx_8
-        a, a_drop = _dropout_fwd(a.view(s, b, h), p.hidden_dropout, grad)
+        a, a_drop = _dropout_fwd(a.view(s, b, h), p.hidden_dropout, grad)  # (the composed layer's order of draws)
         # 4. residual add in norm2's kernel (s2 = a + x), MLP
         _, ln2_8, mean2, rstd2, s2 = norm_fwd(a, ln2_w, ln2_b, eps2, rms=rms2, zero_centered_gamma=zc2,
                                               quantizer=p.fc1.input, transpose=grad, return_hp=False, residual=x,
@@ -146,7 +121,7 @@ class _FP8TransformerLayer(torch.autograd.Function):
                                 gelu_epilogue=p.gelu_epilogue)
         t_ln2, t_w1 = keep(ln2_8), keep(w18)
         del ln2_8
-        m = _gemm(a8, w28, dt, b2)
+        m = fp8_fprop(a8, w28, dt, b2)
         t_a, t_w2 = keep(a8), keep(w28)
         del a8
         p.w_fp8 = None  # the row-major FP8 weights are not needed again (the weight cache keeps its own)
@@ -155,7 +130,7 @@ class _FP8TransformerLayer(torch.autograd.Function):
         if grad:
             ctx.save_for_backward(x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2)
             ctx.t = (t_ln1, t_wq, t_ctx, t_wp, t_ln2, t_w1, t_a, t_w2)
-            ctx.attn = (o, qa, ka, va)
+            ctx.attn = attn_node
             ctx.drop = (a_drop, m_drop)
             ctx.hp = (mean1, rstd1, s2, mean2, rstd2, hid, cos, sin)
             ctx.p = p
@@ -168,7 +143,7 @@ class _FP8TransformerLayer(torch.autograd.Function):
         x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2 = ctx.saved_tensors
         p = ctx.p
         ln1_t, wq_t, ctx_t, wp_t, ln2_t, w1_t, a_t, w2_t = ctx.t
-        o, qa, ka, va = ctx.attn
+        attn_node = ctx.attn
         mean1, rstd1, s2, mean2, rstd2, hid, cos, sin = ctx.hp
         has_bqkv, has_bp, has_ln2b, has_b1, has_b2, has_ln1b = ctx.bias
         need = ctx.needs_input_grad
@@ -203,26 +178,12 @@ class _FP8TransformerLayer(torch.autograd.Function):
         # attention (SDPA's own backward), rotary, the QKV gradient cast from dq, dk, dv
         g, hpg, d = p.split
         do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
-        dq, dk, dv = torch.autograd.grad(o, (qa, ka, va), do)
-        del do, dattn, o, qa, ka, va
-        dq, dk, dv = (t.permute(2, 0, 1, 3) for t in (dq, dk, dv))
+        dq, dk, dv = (t.permute(2, 0, 1, 3) for t in _node_bwd(attn_node, do))
+        del do, dattn, attn_node
         if cos is not None:
-            r = cos.shape[-1]
-            dq, dk = _rope_bwd(dq, cos, sin, r), _rope_bwd(dk, cos, sin, r)
-        dq = dq.reshape(s, b, g, hpg, d)
-        gq = p.qkv.grad_output
-        need_dbqkv = has_bqkv and need[4]
-        if gq.delayed and gq.stats is None and use_kernels(dq):
-            from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
-
-            data, data_t, scale_inv, dbqkv = qkv_grad_cast_transpose_dbias(dq, dk, dv, gq.scale, gq.fp8_dtype,
-                                                                           gq.amax)
-            dqkv_8 = Float8Tensor(data, scale_inv, dq.dtype, data_t)
-            dbqkv = dbqkv if need_dbqkv else None
-        else:
-            dqkv = assemble_qkv_grad(dq, dk, dv, heads_per_group=hpg)
-            dqkv_8, dbqkv = gq.quantize_dbias(dqkv.view(s * b, -1), transpose=True, dbias=need_dbqkv)
-            del dqkv
+            dq, dk = rope_bwd(dq, cos, sin), rope_bwd(dk, cos, sin)
+        dqkv_8, dbqkv = qkv_grad_fp8(dq.reshape(s, b, g, hpg, d), dk, dv, p.qkv.grad_output, hpg, transpose=True,
+                                     dbias=has_bqkv and need[4])
         del dq, dk, dv
         dln1, dwq = dgrad_wgrad(dqkv_8, wq_t, ln1_t, w_qkv, fuse)
         del dqkv_8, wq_t, ln1_t
@@ -236,33 +197,35 @@ class _FP8TransformerLayer(torch.autograd.Function):
                 dln2_b if need[8] else None, dw1, db1, dw2, db2, None)
 
 
+def _node_fwd(fn, inputs: list, grad: bool):
+    """``fn(*inputs)`` run as its own autograd node (PyTorch's own op and backward, e.g. SDPA or dropout, with its
+    backend choice and RNG use unchanged), recorded when ``grad`` for :func:`_node_bwd` to replay in backward:
+    ``(output, node or None)``; the output is detached (this op's output carries the layer's gradient)."""
+    if not grad:
+        return fn(*inputs), None
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+    return out.detach(), (out, leaves)
+
+
+def _node_bwd(node, grad: torch.Tensor) -> tuple:
+    """The gradients of a :func:`_node_fwd` node's inputs given its output's ``grad``."""
+    out, leaves = node
+    return torch.autograd.grad(out, leaves, grad)
+
+
 def _dropout_fwd(t: torch.Tensor, prob: float, grad: bool):
-    """``F.dropout(t, prob)`` as the composed layer draws it (same RNG calls, so the same mask), as its own
-    autograd node when a backward will run (replayed by :func:`_dropout_bwd`): ``(output, node output or None)``.
-    ``prob`` 0: ``(t, None)``."""
+    """``F.dropout(t, prob)`` where the composed layer draws it (same RNG calls, same mask) as a :func:`_node_fwd`
+    node: ``(output, node or None)``; ``prob`` 0: ``(t, None)``."""
     if prob == 0.0:
         return t, None
-    if not grad:
-        return F.dropout(t, prob, training=True), None
-    with torch.enable_grad():
-        leaf = t.detach().requires_grad_()
-        out = F.dropout(leaf, prob, training=True)
-    return out.detach(), (out, leaf)
+    return _node_fwd(lambda leaf: F.dropout(leaf, prob, training=True), [t], grad)
 
 
-def _dropout_bwd(saved, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient through :func:`_dropout_fwd` (``saved``: its second output)."""
-    if saved is None:
-        return grad
-    out, leaf = saved
-    return torch.autograd.grad(out, leaf, grad)[0]
-
-
-def _rope_fwd(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
-    """:func:`fp8engine.modules.attention.apply_rotary_pos_emb` with ``cos``/``sin`` already in ``t.dtype``."""
-    rot, rest = (t, None) if r == t.shape[-1] else (t[..., :r], t[..., r:])
-    out = rot * cos + _rotate_half(rot) * sin
-    return out if rest is None else torch.cat((out, rest), dim=-1)
+def _dropout_bwd(node, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient through :func:`_dropout_fwd` (``node`` None: no dropout, ``grad`` itself)."""
+    return grad if node is None else _node_bwd(node, grad)[0]
 
 
 def fused_layer(x: torch.Tensor, params: tuple, plan: LayerPlan) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.comm import LinearComm
-from fp8engine.ops.gemm import fp8_gemm, fp8_mm, fp8_mm_accumulate
+from fp8engine.ops.gemm import fp8_fprop, fp8_mm, fp8_mm_accumulate
 
 __all__ = ["linear", "fp8_linear", "linear_input", "output_leading_dims", "LINEAR_ROLES", "main_grad_of",
            "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
@@ -98,8 +98,7 @@ class _FP8Linear(torch.autograd.Function):
             ctx.save_for_backward((x_total if x_shard is None else x_shard) if needs_dw else None, weight)
         else:
             ctx.x_shard = x_shard if needs_dw else None
-            y = fp8_gemm(x_total, w_fp8, x.dtype, bias=None if gemm_bias is None else gemm_bias.to(x.dtype),
-                         use_fast_accum=True)
+            y = fp8_fprop(x_total, w_fp8, x.dtype, gemm_bias)
             ctx.save_for_backward(weight)
             # Backward needs only the transposed layouts (dgrad: W^T, wgrad: X^T); keep those, not the row-major
             # bits (or only the FP8 input shard, re-gathered in backward).

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
-from fp8engine.ops.gemm import fp8_gemm, fp8_gemm_bias_gelu
+from fp8engine.ops.gemm import fp8_fprop, fp8_gemm_bias_gelu
 from fp8engine.ops.gemm_ops import gemm_bias_gelu_fp8
 from fp8engine.ops.kernel_ops import (ACT_KINDS, act_bwd_dbias_amax, act_bwd_fp8, act_fwd_amax, act_fwd_fp8,
                                       compiled_kernel_ops)
@@ -201,7 +201,7 @@ def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.
     (by ``quantizer``, fc2's input role; its transpose when ``transpose``): ``(h, a_fp8)``.
 
     With ``gelu_epilogue``, GELU, a bias, delayed scaling and a GPU whose cuBLASLt has the kernel, one GEMM with
-    the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise :func:`fp8_gemm`
+    the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise :func:`fp8_fprop`
     then :func:`act_fwd_cast`. Traced by ``torch.compile`` on CUDA under the same conditions: that GEMM as the
     custom op :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8` (amax into the state's history slot, as
     :func:`act_fwd_cast`'s op), which falls back inside itself where cuBLASLt cannot run the epilogue.
@@ -221,7 +221,7 @@ def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.
                                                       w1_fp8.data, w1_fp8.scale_inv, b1, out_dtype, scale,
                                                       quantizer.fp8_dtype, amax)
                 return h, Float8Tensor(y8, scale_inv, out_dtype)
-    h = fp8_gemm(x_fp8, w1_fp8, out_dtype, bias=None if b1 is None else b1.to(out_dtype), use_fast_accum=True)
+    h = fp8_fprop(x_fp8, w1_fp8, out_dtype, b1)
     return h, act_fwd_cast(h, kind, quantizer, transpose=transpose)
 
 
@@ -242,8 +242,7 @@ class _FP8MLP(torch.autograd.Function):
                                  gelu_epilogue=gelu_epilogue)
         # fc2 fprop: y = a @ W2.T + b2 (row parallel: b2 added after the reduction over the ranks)
         row = fc2_comm is not None and fc2_comm.reduces_output
-        y = fp8_gemm(a_fp8, w2_fp8, x.dtype, bias=None if b2 is None or row else b2.to(x.dtype),
-                     use_fast_accum=True)
+        y = fp8_fprop(a_fp8, w2_fp8, x.dtype, None if b2 is None or row else b2)
         if row:
             y = fc2_comm.reduce_output(y)
             if b2 is not None:

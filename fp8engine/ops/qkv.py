@@ -22,7 +22,7 @@ from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
 from fp8engine.ops.linear import _FP8Linear, linear_backward, linear_input
 
-__all__ = ["fp8_linear_qkv", "split_grouped_qkv"]
+__all__ = ["fp8_linear_qkv", "split_grouped_qkv", "qkv_grad_fp8"]
 
 
 def _views(y: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
@@ -62,18 +62,27 @@ class _FP8LinearQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        need_db = ctx.needs_input_grad[2]
-        need_dw = ctx.needs_input_grad[1] or ctx.fuse_wgrad
-        q = ctx.grad_quantizer
-        if q.delayed and q.stats is None and dq is not None and dk is not None and dv is not None and use_kernels(dq):
-            from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
-
-            data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax)
-            dy_fp8, db = Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if need_db else None)
-        else:
-            dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg)
-            dy_fp8, db = q.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=need_dw, dbias=need_db)
+        dy_fp8, db = qkv_grad_fp8(dq, dk, dv, ctx.grad_quantizer, ctx.hpg,
+                                  transpose=ctx.needs_input_grad[1] or ctx.fuse_wgrad, dbias=ctx.needs_input_grad[2])
         return (*linear_backward(ctx, dy_fp8, db), None, None, None)
+
+
+def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
+                 quantizer: Quantizer, heads_per_group: int, *, transpose: bool,
+                 dbias: bool) -> tuple[Float8Tensor, Optional[torch.Tensor]]:
+    """The fused projection's output gradient in FP8 from ``dq [s, b, g, hpg, d]``, ``dk, dv [s, b, g, d]`` (any
+    strides; None is zero), cast by ``quantizer`` (the grad_output role), with its transpose when ``transpose`` and
+    the bias gradient ``[C]`` when ``dbias``: ``(dy_fp8 [T, C], db or None)``. Kernels, delayed scaling, all three
+    given: one pass (module docstring); otherwise the assembled buffer cast as any linear's output gradient (same
+    bits)."""
+    q = quantizer
+    if q.delayed and q.stats is None and dq is not None and dk is not None and dv is not None and use_kernels(dq):
+        from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
+
+        data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax)
+        return Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if dbias else None)
+    dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=heads_per_group)
+    return q.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=transpose, dbias=dbias)
 
 
 def fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
