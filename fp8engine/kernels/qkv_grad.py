@@ -46,6 +46,7 @@ import torch
 from ._common import (
     HP_DTYPES,
     _abs_max,
+    _round_to,
     _store_tile,
     _write_scale_inv,
     cdiv,
@@ -60,6 +61,7 @@ from ._common import (
     triton,
 )
 from .cast import TILE_M, TILE_N, TILE_WARPS, _hw_cvt_ok, cast_transpose_dbias, cast_transpose_dbias_reference
+from .rotary import check_rope_table
 
 __all__ = [
     "assemble_qkv_grad",
@@ -85,12 +87,15 @@ def _qkv_grad_cast_transpose_kernel(
     sq_s, sq_b, sq_g, sq_h, sq_d,  # dq's strides in elements (s, b, g, head in group, d)
     sk_s, sk_b, sk_g, sk_d,  # dk's strides in elements (s, b, g, d)
     sv_s, sv_b, sv_g, sv_d,  # dv's strides in elements (s, b, g, d)
+    cos_ptr,  # [s, R] cos of the rotary angles, dq's dtype (only if R > 0)
+    sin_ptr,  # [s, R] sin of the rotary angles, dq's dtype (only if R > 0)
     HPG: tl.constexpr,  # query heads per KV group (constexpr: the column div/mod become multiplies)
     HEAD_DIM: tl.constexpr,
     FP8_MAX: tl.constexpr,
     IS_E4M3: tl.constexpr,
     CVT: tl.constexpr,
     HAS_AMAX: tl.constexpr,
+    R: tl.constexpr,  # rotary width: the first R channels of every q and k head get the rotation's gradient (0: none)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -114,6 +119,24 @@ def _qkv_grad_cast_transpose_kernel(
     xq = tl.load(dq_ptr + q_off, mask=mask & is_q, other=0.0)
     xk = tl.load(dk_ptr + k_off, mask=mask & is_k, other=0.0)
     xv = tl.load(dv_ptr + v_off, mask=mask & is_v, other=0.0)
+    if R > 0:
+        # rotary backward (fp8engine.ops.rotary.rope_bwd): d = g cos + (y2, -y1), (y1, y2) = halves of g sin; each
+        # op rounded to dq's dtype as the reference's separate ops are. The partner channel feeds rotate_half^T.
+        half: tl.constexpr = R // 2
+        rot = ((dd < R) & (slot <= HPG))[None, :]
+        pd = tl.where(dd < half, dd + half, dd - half)
+        qp_off = (s_idx * sq_s + b_idx * sq_b)[:, None] + (gi * sq_g + slot.to(tl.int64) * sq_h + pd * sq_d)[None, :]
+        kp_off = (s_idx * sk_s + b_idx * sk_b)[:, None] + (gi * sk_g + pd * sk_d)[None, :]
+        gp = tl.where(is_q, tl.load(dq_ptr + qp_off, mask=mask & is_q & rot, other=0.0),
+                      tl.load(dk_ptr + kp_off, mask=mask & is_k & rot, other=0.0)).to(tl.float32)
+        g_cur = tl.where(is_q, xq, xk)
+        c = tl.load(cos_ptr + s_idx[:, None] * R + dd[None, :], mask=mask & rot, other=0.0).to(tl.float32)
+        sp = tl.load(sin_ptr + s_idx[:, None] * R + pd[None, :], mask=mask & rot, other=0.0).to(tl.float32)
+        a = _round_to(g_cur.to(tl.float32) * c, g_cur.dtype, CVT).to(tl.float32)
+        y = _round_to(gp * sp, g_cur.dtype, CVT).to(tl.float32)
+        new = _round_to(a + tl.where((dd < half)[None, :], y, -y), g_cur.dtype, CVT)
+        xq = tl.where(rot & is_q, new, xq)
+        xk = tl.where(rot & is_k, new, xk)
     # select, not add: xq + xk + xv would turn a -0.0 into +0.0 (a different FP8 code)
     x = tl.where(is_q, xq, tl.where(is_k, xk, xv)).to(tl.float32)
     scale = tl.load(scale_ptr)
@@ -172,6 +195,9 @@ def qkv_grad_cast_transpose_dbias(
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
     amax_out: torch.Tensor | None = None,
+    *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast-transpose the fused grouped-QKV gradient to FP8 with its bias gradient, reading dq/dk/dv in place.
 
@@ -181,6 +207,10 @@ def qkv_grad_cast_transpose_dbias(
         scale: [1] or [] fp32 on their device; ``data = saturate(grad * scale)``.
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
         amax_out: optional [1] fp32; receives ``max(amax_out, max|grad|)`` (atomic; NaN -> +inf).
+        cos, sin: optional rotary angle tables ``[s, 1, 1, r]`` in dq's dtype (``fp8engine.ops.rotary.rope_cos_sin``):
+            dq and dk are the gradients of the ROTATED q and k, and the rotation's gradient is applied in the
+            gather -- the result is then that of ``rope_bwd(dq), rope_bwd(dk)`` (``fp8engine.ops.rotary``) cast as
+            below, bit for bit.
 
     Returns:
         ``(data, data_t, scale_inv, dbias)`` = ``cast_transpose_dbias(assemble_qkv_grad(dq, dk, dv).reshape(T, C),
@@ -202,6 +232,9 @@ def qkv_grad_cast_transpose_dbias(
     check_scalar_f32(scale, "scale", dq.device, op)
     check_scalar_f32(amax_out, "amax_out", dq.device, op)
     fp8_max, is_e4m3 = fp8_format(fp8_dtype, op)
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{op}: give both cos and sin (the rotary angle tables) or neither")
+    r = 0 if cos is None else check_rope_table(cos, sin, s, d, dq, op)
     t, c = s * b, g * (hpg + 2) * d
     if c == 0:
         raise ValueError(f"{op}: the gradient has no columns (g={g}, d={d}); nothing to cast")
@@ -217,9 +250,10 @@ def qkv_grad_cast_transpose_dbias(
     launch(_qkv_grad_cast_transpose_kernel, grid,
         dq, dk, dv, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_inv,
         amax_out if amax_out is not None else scale_inv, parts, t, c, b,
-        *dq.stride(), *dk.stride(), *dv.stride(),
+        *dq.stride(), *dk.stride(), *dv.stride(), scale if cos is None else cos, scale if sin is None else sin,
         HPG=hpg, HEAD_DIM=d, FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=not hw_ok),
-        HAS_AMAX=amax_out is not None, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
+        HAS_AMAX=amax_out is not None, R=r, BLOCK_M=TILE_M, BLOCK_N=TILE_N, num_warps=TILE_WARPS,
+        **({"enable_fp_fusion": False} if r else {}),  # fp32: no FMA contraction of the rotation (reference's bits)
     )  # fmt: skip
     return data, data_t, scale_inv, sum_partials(parts, dq.dtype)
 

@@ -8,12 +8,15 @@ them), and four module calls. This op issues the same kernels and GEMMs through 
 (:func:`~fp8engine.ops.norm_linear.norm_fwd`, :func:`~fp8engine.ops.gemm.fp8_fprop`,
 :func:`~fp8engine.ops.mlp.fc1_fprop_act`, :func:`~fp8engine.ops.linear.dgrad_wgrad`, ...) from one forward and one
 backward, so it computes exactly what the composed layer computes: on CPU the same bits (tests compare them), on a
-GPU the same kernels in the same order.
+GPU the same kernels in the same order, except the rotary embedding (below), whose kernels give the reference's
+bits.
 
 Forward (``[s, b, h]`` in, out; TransformerEngine's GEMM names):
 
 1. ``ln1 = norm1(x)`` written in FP8 by the norm kernel -> QKV fprop ``qkv = ln1 @ Wqkv.T + bqkv``;
-2. q, k, v: views of ``qkv`` in the grouped layout (:mod:`fp8engine.ops.qkv`), rotary embedding on q and k,
+2. q, k, v: views of ``qkv`` in the grouped layout (:mod:`fp8engine.ops.qkv`), rotary embedding on q and k (with
+   the kernels: one pass from ``qkv``, :func:`fp8engine.kernels.rotary.rope_qk`; else
+   :func:`fp8engine.ops.rotary.rope_fwd`),
    ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch picks the backend: cuDNN / flash / memory
    efficient on CUDA, flash on CPU; its own autograd node, replayed in backward);
 3. the attention output cast to FP8 -> proj fprop ``a = ctx @ Wproj.T + bproj``;
@@ -21,9 +24,10 @@ Forward (``[s, b, h]`` in, out; TransformerEngine's GEMM names):
    where it applies) -> activation in FP8 -> fc2 fprop ``m``; the output is ``s2 + m``.
 
 Backward runs the same steps in reverse: fc2 / fc1 (:func:`~fp8engine.ops.mlp.act_bwd_cast` between), norm2's
-backward with the residual gradient added in the kernel, proj's dgrad / wgrad, attention backward, the rotary
-backward (``dq = g cos - rotate_half(g sin)``), the QKV gradient cast straight from dq, dk, dv
-(``kernels.qkv_grad``) with its dgrad / wgrad, and norm1's backward with the gradient of the residual branch added.
+backward with the residual gradient added in the kernel, proj's dgrad / wgrad, attention backward, the QKV gradient
+cast straight from dq, dk, dv (``kernels.qkv_grad``, the rotary backward ``dq = g cos + rotate_half^T(g sin)``
+applied in its gather; :func:`fp8engine.ops.rotary.rope_bwd` first where the kernels do not run) with its dgrad /
+wgrad, and norm1's backward with the gradient of the residual branch added.
 
 Hidden dropout (training) runs ``F.dropout`` on the attention and MLP branches where the composed layer does, in the
 same order (so the same masks), each as its own small autograd node replayed in backward, as SDPA's.
@@ -41,13 +45,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.kernels.rotary import rope_qk
 from fp8engine.ops.gemm import fp8_fprop
 from fp8engine.ops.linear import dgrad_wgrad
 from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
 from fp8engine.ops.norm_linear import norm_bwd, norm_fwd
 from fp8engine.ops.qkv import _views, qkv_grad_fp8
-from fp8engine.ops.rotary import rope_bwd, rope_cos_sin, rope_fwd
+from fp8engine.ops.rotary import rope_cos_sin, rope_fwd
 
 __all__ = ["fused_layer", "LayerPlan"]
 
@@ -97,11 +102,15 @@ class _FP8TransformerLayer(torch.autograd.Function):
         # 2. attention on the grouped views (rotary: new q, k), through PyTorch's SDPA with its own autograd node
         g, hpg, d = p.split
         q, k, v = _views(qkv.view(s, b, qkv.shape[-1]), g, hpg, d)
-        q = q.reshape(s, b, g * hpg, d)
         cos = sin = None
         if p.rope is not None:
             cos, sin = rope_cos_sin(p.rope, dt)
-            q, k = rope_fwd(q, cos, sin), rope_fwd(k, cos, sin)
+            if use_kernels(qkv):  # one pass from the projection output (kernels.rotary, same bits)
+                q, k = rope_qk(qkv, cos, sin, p.split, b)
+            else:
+                q, k = rope_fwd(q.reshape(s, b, g * hpg, d), cos, sin), rope_fwd(k, cos, sin)
+        else:
+            q = q.reshape(s, b, g * hpg, d)
         with p.rng() if p.rng is not None else contextlib.nullcontext():
             o, attn_node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn),
                                      [t.permute(1, 2, 0, 3) for t in (q, k, v)], grad)
@@ -180,10 +189,8 @@ class _FP8TransformerLayer(torch.autograd.Function):
         do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
         dq, dk, dv = (t.permute(2, 0, 1, 3) for t in _node_bwd(attn_node, do))
         del do, dattn, attn_node
-        if cos is not None:
-            dq, dk = rope_bwd(dq, cos, sin), rope_bwd(dk, cos, sin)
         dqkv_8, dbqkv = qkv_grad_fp8(dq.reshape(s, b, g, hpg, d), dk, dv, p.qkv.grad_output, hpg, transpose=True,
-                                     dbias=has_bqkv and need[4])
+                                     dbias=has_bqkv and need[4], rope=None if cos is None else (cos, sin))
         del dq, dk, dv
         dln1, dwq = dgrad_wgrad(dqkv_8, wq_t, ln1_t, w_qkv, fuse)
         del dqkv_8, wq_t, ln1_t

@@ -21,6 +21,7 @@ from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
 from fp8engine.ops.linear import _FP8Linear, linear_backward, linear_input
+from fp8engine.ops.rotary import rope_bwd
 
 __all__ = ["fp8_linear_qkv", "split_grouped_qkv", "qkv_grad_fp8"]
 
@@ -69,18 +70,29 @@ class _FP8LinearQKV(torch.autograd.Function):
 
 def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
                  quantizer: Quantizer, heads_per_group: int, *, transpose: bool,
-                 dbias: bool) -> tuple[Float8Tensor, Optional[torch.Tensor]]:
+                 dbias: bool, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                 ) -> tuple[Float8Tensor, Optional[torch.Tensor]]:
     """The fused projection's output gradient in FP8 from ``dq [s, b, g, hpg, d]``, ``dk, dv [s, b, g, d]`` (any
     strides; None is zero), cast by ``quantizer`` (the grad_output role), with its transpose when ``transpose`` and
-    the bias gradient ``[C]`` when ``dbias``: ``(dy_fp8 [T, C], db or None)``. Kernels, delayed scaling, all three
-    given: one pass (module docstring); otherwise the assembled buffer cast as any linear's output gradient (same
-    bits)."""
+    the bias gradient ``[C]`` when ``dbias``: ``(dy_fp8 [T, C], db or None)``. ``rope``: ``(cos, sin)`` angle tables
+    (:func:`fp8engine.ops.rotary.rope_cos_sin`) when dq and dk are the gradients of rotated q and k: the rotation's
+    gradient (:func:`fp8engine.ops.rotary.rope_bwd`) is applied first. Kernels, delayed scaling, all three given: one
+    pass, the rotation inside it (module docstring); otherwise ``rope_bwd``, then the assembled buffer cast as any
+    linear's output gradient (same bits)."""
     q = quantizer
     if q.delayed and q.stats is None and dq is not None and dk is not None and dv is not None and use_kernels(dq):
         from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
 
-        data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax)
+        cos, sin = rope if rope is not None else (None, None)
+        data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax,
+                                                                    cos=cos, sin=sin)
         return Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if dbias else None)
+    if rope is not None:
+        if dq is not None:
+            s, b, g, hpg, d = dq.shape
+            dq = rope_bwd(dq.reshape(s, b, g * hpg, d), *rope).view(s, b, g, hpg, d)
+        if dk is not None:
+            dk = rope_bwd(dk, *rope)
     dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=heads_per_group)
     return q.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=transpose, dbias=dbias)
 
