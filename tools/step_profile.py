@@ -52,6 +52,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--kernels", action="store_true", help="GPU kernel time per step by kernel name")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("step_profile: needs a CUDA GPU", file=sys.stderr)
@@ -84,6 +85,17 @@ def main() -> int:
         by_name[e.name] = by_name.get(e.name, 0) + 1
     if by_name:
         print("  syncs:", ", ".join(f"{k} x{v / n:g}" for k, v in sorted(by_name.items())))
+    if args.kernels:
+        per_name, calls = {}, {}
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per_name[e.name] = per_name.get(e.name, 0.0) + e.device_time_total
+                calls[e.name] = calls.get(e.name, 0) + 1
+        print(f"  GPU kernels: {sum(per_name.values()) / 1e3 / n:.2f} ms/step summed, {sum(calls.values()) / n:.0f} "
+              "kernels/step; by name (ms/step, calls/step):")
+        for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"  {us / 1e3 / n:8.3f} {calls[name] / n:6.0f}  {name[:120]}")
+        return 0
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
     return 0
 
