@@ -199,14 +199,16 @@ class MultiheadAttention(nn.Module):
             return self.layernorm_qkv(hidden_states, return_norm_input=True, **kw)
         return self.qkv(hidden_states, **kw), hidden_states
 
-    def _qkv(self, hidden_states: torch.Tensor, is_first_microbatch: Optional[bool]):
+    def _qkv(self, hidden_states: torch.Tensor, is_first_microbatch: Optional[bool],
+             rope: Optional[torch.Tensor] = None):
         """``q [s, b, H_local, d]``, ``k, v [s, b, G_local, d]`` (views, no copy), and the normalised input (see
-        :meth:`_project`)."""
+        :meth:`_project`). ``rope``: rotary angles, applied inside the fused QKV op (only with ``fuse_qkv_params``;
+        q and k are then new tensors)."""
         cfg = self.config
         hl, gl, d = cfg.local_heads, cfg.local_groups, cfg.head_dim
         if self.fuse_qkv_params:
             (q, k, v), s_in = self._project(hidden_states, is_first_microbatch=is_first_microbatch,
-                                            qkv_split=(gl, hl // gl, d))
+                                            qkv_split=(gl, hl // gl, d), qkv_rope=rope)
             return q.reshape(*q.shape[:2], hl, d), k, v, s_in
         mixed, s_in = self._project(hidden_states, is_first_microbatch=is_first_microbatch)
         s, b = mixed.shape[:2]
@@ -234,8 +236,11 @@ class MultiheadAttention(nn.Module):
                              "attn_mask_type")
         else:
             attn_mask = None
-        q, k, v, s_in = self._qkv(hidden_states, is_first_microbatch)
-        if rotary_pos_emb is not None:
+        # rotary inside the fused QKV op (one kernel from the projection output, its gradient in the QKV-gradient
+        # cast); under torch.compile Inductor fuses the plain-PyTorch rotation itself
+        in_op = rotary_pos_emb is not None and self.fuse_qkv_params and not torch.compiler.is_compiling()
+        q, k, v, s_in = self._qkv(hidden_states, is_first_microbatch, rotary_pos_emb if in_op else None)
+        if rotary_pos_emb is not None and not in_op:
             q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
         cfg = self.config
         # [s, b, n, d] -> [b, n, s, d]

@@ -258,16 +258,20 @@ class LayerNormLinear(FP8Module):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 qkv_split: Optional[tuple[int, int, int]] = None, *, residual: Optional[torch.Tensor] = None,
-                return_norm_input: bool = False):
+                return_norm_input: bool = False, qkv_rope: Optional[torch.Tensor] = None):
         """``x``: ``[s, b, K]`` (``[s/tp, b, K]`` when sequence parallel) -> ``[s, b, N_local]``, or
         ``(y, norm(x))`` with ``return_layernorm_output``. ``is_first_microbatch``: FP8 weight caching
         (see :class:`fp8engine.modules.base.FP8WeightCache`). ``qkv_split = (g, hpg, d)`` (MultiheadAttention's
         fused QKV weight): return ``(q, k, v)``, the grouped views of :func:`fp8engine.ops.qkv.fp8_linear_qkv`,
-        instead of ``y``.
+        instead of ``y``; with ``qkv_rope`` (rotary angles ``[s, 1, 1, r]``, only with ``qkv_split``) q and k come
+        back rotated (one kernel pass from the projection output where the kernels run; the rotation's gradient is
+        applied in the QKV-gradient cast).
 
         Residual connection (TransformerLayer uses both): ``residual`` (like ``x``) normalises ``x + residual``,
         the add done by the norm kernel; ``return_norm_input`` appends the normalised tensor (``x`` or
         ``x + residual``) to the outputs, and a gradient flowing into it is added inside the norm's backward."""
+        if qkv_rope is not None and qkv_split is None:
+            raise ValueError("LayerNormLinear: qkv_rope (rotary angles) is only taken with qkv_split")
         quantizers = self.fp8_begin()
         q = None if quantizers is None else quantizers[0]
         weight, bias = self._weight_bias()
@@ -281,7 +285,7 @@ class LayerNormLinear(FP8Module):
             w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
             if qkv_split is not None:
                 out = fp8_linear_qkv(ln, weight, bias, q, qkv_split, w_fp8=w_fp8, x_fp8=ln_fp8, fuse_wgrad=fuse,
-                                     comm=self._comm)
+                                     comm=self._comm, freqs=qkv_rope)
             else:
                 out = fp8_linear(ln, weight, bias, q, w_fp8=w_fp8, x_fp8=ln_fp8, fuse_wgrad=fuse, comm=self._comm)
             return norm_module_outputs(self, out, ln, s, return_norm_input)
@@ -295,7 +299,7 @@ class LayerNormLinear(FP8Module):
             w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
             out = block_fp8_linear(total, weight, bias, q, w_q=w_fp8, fuse_wgrad=fuse, x_q=ln_fp8)
         if qkv_split is not None:
-            out = split_grouped_qkv(out, *qkv_split)
+            out = split_grouped_qkv(out, *qkv_split, freqs=qkv_rope)
         return norm_module_outputs(self, out, ln, s, return_norm_input)
 
     def extra_repr(self) -> str:

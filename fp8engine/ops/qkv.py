@@ -20,8 +20,9 @@ import torch
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
+from fp8engine.kernels.rotary import check_rope_table, rope_qk
 from fp8engine.ops.linear import _FP8Linear, linear_backward, linear_input
-from fp8engine.ops.rotary import rope_bwd
+from fp8engine.ops.rotary import rope_bwd, rope_cos_sin, rope_fwd
 
 __all__ = ["fp8_linear_qkv", "split_grouped_qkv", "qkv_grad_fp8"]
 
@@ -32,23 +33,51 @@ def _views(y: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
     return grouped[..., :heads_per_group, :], grouped[..., heads_per_group, :], grouped[..., heads_per_group + 1, :]
 
 
+def _split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
+    """``y [s, b, C]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d], rope)``: views of ``y``, or with
+    rotary angles ``freqs [s, 1, 1, r]`` q and k rotated (new tensors: one kernel pass from ``y``,
+    :func:`fp8engine.kernels.rotary.rope_qk`, where the kernels run; else :func:`fp8engine.ops.rotary.rope_fwd`, the
+    same bits) and ``rope = (cos, sin)`` in ``y``'s dtype for the backward (None without ``freqs``)."""
+    q, k, v = _views(y, *split)
+    if freqs is None:
+        return q, k, v, None
+    g, hpg, d = split
+    s, b = y.shape[:2]
+    cos, sin = rope_cos_sin(freqs, y.dtype)
+    check_rope_table(cos, sin, s, d, y, "rotary in the QKV op")
+    if use_kernels(y) and y.is_contiguous():
+        q, k = rope_qk(y, cos, sin, split, b)
+    else:
+        q, k = rope_fwd(q.reshape(s, b, g * hpg, d), cos, sin), rope_fwd(k, cos, sin)
+    return q.view(s, b, g, hpg, d), k, v, (cos, sin)
+
+
 class _SplitGroupedQKV(torch.autograd.Function):
-    """High-precision split: the views of ``mixed``; backward writes dq, dk, dv once each into one buffer
-    (autograd's own slicing would give each view a zero-filled full-size gradient and add the three up)."""
+    """High-precision split: the views of ``mixed`` (q and k rotated when ``freqs`` is given); backward writes dq,
+    dk, dv once each into one buffer (autograd's own slicing would give each view a zero-filled full-size gradient
+    and add the three up), after the rotation's gradient."""
 
     @staticmethod
-    def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int):
+    def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int, freqs=None):
+        q, k, v, ctx.rope = _split_rotate(mixed, (groups, heads_per_group, head_dim), freqs)
         ctx.hpg = heads_per_group
-        return _views(mixed, groups, heads_per_group, head_dim)
+        return q, k, v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        return assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg), None, None, None
+        if ctx.rope is not None:
+            s, b, g, hpg, d = dq.shape
+            dq = rope_bwd(dq.reshape(s, b, g * hpg, d), *ctx.rope).view(s, b, g, hpg, d)
+            dk = rope_bwd(dk, *ctx.rope)
+        return assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg), None, None, None, None
 
 
-def split_grouped_qkv(mixed: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
-    """``mixed [s, b, g * (hpg + 2) * d]`` -> views ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d])``."""
-    return _SplitGroupedQKV.apply(mixed, groups, heads_per_group, head_dim)
+def split_grouped_qkv(mixed: torch.Tensor, groups: int, heads_per_group: int, head_dim: int,
+                      freqs: Optional[torch.Tensor] = None):
+    """``mixed [s, b, g * (hpg + 2) * d]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d])``: views, or
+    with rotary angles ``freqs [s, 1, 1, r]`` (:class:`fp8engine.modules.attention.RotaryEmbedding`) q and k
+    rotated (``rope_fwd``'s bits, new tensors) and v a view."""
+    return _SplitGroupedQKV.apply(mixed, groups, heads_per_group, head_dim, freqs)
 
 
 class _FP8LinearQKV(torch.autograd.Function):
@@ -56,16 +85,20 @@ class _FP8LinearQKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, x_fp8: Float8Tensor, w_fp8: Float8Tensor, grad_quantizer: Quantizer,
-                fuse_wgrad: bool, split: tuple, comm=None, x_shard=None):
+                fuse_wgrad: bool, split: tuple, comm=None, x_shard=None, freqs=None):
         y = _FP8Linear.forward(ctx, x, weight, bias, x_fp8, w_fp8, grad_quantizer, fuse_wgrad, comm, x_shard)
         ctx.hpg = split[1]
-        return _views(y, *split)
+        q, k, v, ctx.rope = _split_rotate(y, split, freqs)
+        return q, k, v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
+        # with rotary: the rotation's gradient inside the QKV-gradient cast (kernels) or rope_bwd first
         dy_fp8, db = qkv_grad_fp8(dq, dk, dv, ctx.grad_quantizer, ctx.hpg,
-                                  transpose=ctx.needs_input_grad[1] or ctx.fuse_wgrad, dbias=ctx.needs_input_grad[2])
-        return (*linear_backward(ctx, dy_fp8, db), None, None, None)
+                                  transpose=ctx.needs_input_grad[1] or ctx.fuse_wgrad, dbias=ctx.needs_input_grad[2],
+                                  rope=ctx.rope)
+        ctx.rope = None
+        return (*linear_backward(ctx, dy_fp8, db), None, None, None, None)
 
 
 def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
@@ -99,8 +132,10 @@ def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Opt
 
 def fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    quantizers: LinearQuantizers, split: tuple[int, int, int], *, w_fp8: Optional[Float8Tensor] = None,
-                   x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False, comm=None):
-    """FP8 QKV projection ``x @ weight.T + bias`` returned as ``(q, k, v)`` grouped views.
+                   x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False, comm=None,
+                   freqs: Optional[torch.Tensor] = None):
+    """FP8 QKV projection ``x @ weight.T + bias`` returned as ``(q, k, v)`` grouped views (with ``freqs``, rotary
+    angles ``[s, 1, 1, r]``: q and k rotated, new tensors, see :func:`split_grouped_qkv`).
 
     Args:
         x: ``[s, b, K]`` high precision (``[s/tp, b, K]`` when ``comm`` all-gathers it). weight: ``[C, K]`` with
@@ -121,4 +156,4 @@ def fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if w_fp8 is None:
         w_fp8 = quantizers.weight.quantize(weight, transpose=needs_grad)
     return _FP8LinearQKV.apply(x, weight, bias, x_fp8, w_fp8, quantizers.grad_output, fuse_wgrad, tuple(split),
-                               comm, x_shard)
+                               comm, x_shard, freqs)

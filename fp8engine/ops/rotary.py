@@ -13,8 +13,9 @@ __all__ = ["rope_cos_sin", "rope_fwd", "rope_bwd"]
 
 
 def rope_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` of the angles ``freqs [s, 1, 1, r]``, each in ``dtype``."""
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    """``cos`` and ``sin`` of the angles ``freqs [s, 1, 1, r]``, each in ``dtype``, contiguous (the layout the
+    rotary kernels read, :mod:`fp8engine.kernels.rotary`)."""
+    return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -54,3 +54,54 @@ def test_split_mismatch_raises():
     st, qs = make_state(LINEAR_ROLES, True)
     with pytest.raises(ValueError, match="output features"):
         fp8_linear_qkv(torch.randn(2, 2, 16), torch.randn(48, 16), None, qs[0], (1, 2, 16))
+
+
+def _run_rope(in_op, fp8, delayed, dtype, groups, hpg, d, r, rotate=True):
+    """The QKV op with rotary angles applied inside it (``freqs=``) against the views rotated afterwards by
+    ``ops.rotary.rope_fwd`` (autograd through the plain-PyTorch rotation): outputs, input/weight/bias gradients and
+    the FP8 amax history."""
+    from fp8engine.ops.rotary import rope_cos_sin, rope_fwd
+
+    g = torch.Generator().manual_seed(2)
+    n = groups * (hpg + 2) * d
+    x = torch.randn(S, B, K, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(n, K, generator=g) * 0.3).to(dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_()
+    freqs = torch.randn(S, 1, 1, r, generator=g) * 3  # angles of every sign
+    st, qs = make_state(LINEAR_ROLES, delayed)
+    if fp8:
+        q, k, v = fp8_linear_qkv(x, w, b, qs[0], (groups, hpg, d), freqs=freqs if in_op else None)
+    else:
+        q, k, v = split_grouped_qkv(torch.nn.functional.linear(x, w, b), groups, hpg, d,
+                                    freqs=freqs if in_op else None)
+    if not in_op and rotate:
+        cos, sin = rope_cos_sin(freqs, dtype)
+        q = rope_fwd(q.reshape(S, B, groups * hpg, d), cos, sin).view(S, B, groups, hpg, d)
+        k = rope_fwd(k, cos, sin)
+    torch.autograd.backward((q, k, v), _grads(g, S, B, groups, hpg, d, dtype))
+    return [t.detach().clone() for t in (q, k, v)] + [x.grad, w.grad, b.grad, st.amax_history.clone()]
+
+
+@pytest.mark.parametrize("heads", [(2, 1, 16, 16), (1, 3, 16, 8)], ids=["mha-full", "gqa-partial"])
+@pytest.mark.parametrize("mode", ["delayed", "current", "hp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_inside_the_qkv_op_equals_rotating_the_views(force_kernels, heads, mode, dtype):
+    # exact: the op's rotation (rope_qk kernel / rope_fwd) and its gradient (inside the QKV-gradient cast / rope_bwd)
+    # round each product and sum to the dtype as the plain-PyTorch rotation and its autograd do
+    args = (mode != "hp", mode == "delayed", dtype, *heads)
+    for kernels in (False, True):  # torch path, then the Triton kernels under the interpreter
+        force_kernels(kernels)
+        ref = _run_rope(False, *args)
+        got = _run_rope(True, *args)
+        for name, a, b in zip(("q", "k", "v", "dx", "dw", "db", "amax_history"), got, ref):
+            assert torch.equal(a, b), (kernels, name)
+    # the rotation is there: without it q, k and the input gradient differ
+    plain = _run_rope(False, *args, rotate=False)
+    assert not torch.equal(plain[0], got[0]) and not torch.equal(plain[1], got[1])
+    assert not torch.equal(plain[3], got[3])
+
+
+def test_split_grouped_qkv_rotary_needs_matching_angles():
+    mixed = torch.randn(4, 2, 2 * 3 * 16)
+    with pytest.raises(ValueError, match="rotated width"):
+        split_grouped_qkv(mixed, 2, 1, 16, freqs=torch.randn(4, 1, 1, 3))
