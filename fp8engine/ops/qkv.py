@@ -10,6 +10,12 @@ gradient by ``kernels.qkv_grad.qkv_grad_cast_transpose_dbias`` (one pass; no ``[
 Otherwise they are copied into that buffer (:func:`kernels.qkv_grad.assemble_qkv_grad`) and cast as any linear's
 output gradient. Both give the same FP8 bits and bias gradient; dgrad and wgrad are then the linear's own
 (:func:`fp8engine.ops.linear.linear_backward`).
+
+Rotary embedding (``freqs=``, the angles of :class:`fp8engine.modules.attention.RotaryEmbedding`): q and k come back
+rotated, written in one pass from the projection output by :func:`fp8engine.kernels.rotary.rope_qk` where the
+kernels run (else :func:`fp8engine.ops.rotary.rope_fwd` on the views: the same bits), and the backward applies the
+rotation's gradient inside the gather-cast kernel (else :func:`fp8engine.ops.rotary.rope_bwd` first). What this
+saves per layer: the plain-PyTorch rotation's ten kernels on q and k in forward and again in backward.
 """
 from __future__ import annotations
 
