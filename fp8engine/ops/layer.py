@@ -45,14 +45,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
-from fp8engine.kernels.rotary import rope_qk
+from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.ops.gemm import fp8_fprop
 from fp8engine.ops.linear import dgrad_wgrad
 from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
 from fp8engine.ops.norm_linear import norm_bwd, norm_fwd
-from fp8engine.ops.qkv import _views, qkv_grad_fp8
-from fp8engine.ops.rotary import rope_cos_sin, rope_fwd
+from fp8engine.ops.qkv import qkv_grad_fp8, split_rotate
 
 __all__ = ["fused_layer", "LayerPlan"]
 
@@ -101,16 +99,9 @@ class _FP8TransformerLayer(torch.autograd.Function):
         del ln1_8
         # 2. attention on the grouped views (rotary: new q, k), through PyTorch's SDPA with its own autograd node
         g, hpg, d = p.split
-        q, k, v = _views(qkv.view(s, b, qkv.shape[-1]), g, hpg, d)
-        cos = sin = None
-        if p.rope is not None:
-            cos, sin = rope_cos_sin(p.rope, dt)
-            if use_kernels(qkv):  # one pass from the projection output (kernels.rotary, same bits)
-                q, k = rope_qk(qkv, cos, sin, p.split, b)
-            else:
-                q, k = rope_fwd(q.reshape(s, b, g * hpg, d), cos, sin), rope_fwd(k, cos, sin)
-        else:
-            q = q.reshape(s, b, g * hpg, d)
+        q, k, v, rope = split_rotate(qkv.view(s, b, qkv.shape[-1]), p.split, p.rope)  # (the QKV op's rotation)
+        q = q.reshape(s, b, g * hpg, d)
+        cos, sin = rope if rope is not None else (None, None)
         with p.rng() if p.rng is not None else contextlib.nullcontext():
             o, attn_node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn),
                                      [t.permute(1, 2, 0, 3) for t in (q, k, v)], grad)

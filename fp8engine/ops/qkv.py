@@ -39,7 +39,7 @@ def _views(y: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
     return grouped[..., :heads_per_group, :], grouped[..., heads_per_group, :], grouped[..., heads_per_group + 1, :]
 
 
-def _split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
+def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
     """``y [s, b, C]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d], rope)``: views of ``y``, or with
     rotary angles ``freqs [s, 1, 1, r]`` q and k rotated (new tensors: one kernel pass from ``y``,
     :func:`fp8engine.kernels.rotary.rope_qk`, where the kernels run; else :func:`fp8engine.ops.rotary.rope_fwd`, the
@@ -50,10 +50,10 @@ def _split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
     g, hpg, d = split
     s, b = y.shape[:2]
     cos, sin = rope_cos_sin(freqs, y.dtype)
-    check_rope_table(cos, sin, s, d, y, "rotary in the QKV op")
     if use_kernels(y) and y.is_contiguous():
-        q, k = rope_qk(y, cos, sin, split, b)
+        q, k = rope_qk(y, cos, sin, split, b)  # (validates the tables)
     else:
+        check_rope_table(cos, sin, s, d, y, "rotary in the QKV op")
         q, k = rope_fwd(q.reshape(s, b, g * hpg, d), cos, sin), rope_fwd(k, cos, sin)
     return q.view(s, b, g, hpg, d), k, v, (cos, sin)
 
@@ -65,7 +65,7 @@ class _SplitGroupedQKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int, freqs=None):
-        q, k, v, ctx.rope = _split_rotate(mixed, (groups, heads_per_group, head_dim), freqs)
+        q, k, v, ctx.rope = split_rotate(mixed, (groups, heads_per_group, head_dim), freqs)
         ctx.hpg = heads_per_group
         return q, k, v
 
@@ -94,7 +94,7 @@ class _FP8LinearQKV(torch.autograd.Function):
                 fuse_wgrad: bool, split: tuple, comm=None, x_shard=None, freqs=None):
         y = _FP8Linear.forward(ctx, x, weight, bias, x_fp8, w_fp8, grad_quantizer, fuse_wgrad, comm, x_shard)
         ctx.hpg = split[1]
-        q, k, v, ctx.rope = _split_rotate(y, split, freqs)
+        q, k, v, ctx.rope = split_rotate(y, split, freqs)
         return q, k, v
 
     @staticmethod
