@@ -62,6 +62,11 @@ class Float8Tensor:
                 from fp8engine.kernels.cast import transpose_fp8
 
                 self._data_t = transpose_fp8(self.data.contiguous())
+                return self._data_t
+            from fp8engine.fp8 import cast_ops
+
+            if cast_ops.compiled_kernel_ops(self.data):  # traced by torch.compile on CUDA: the kernel as an op
+                self._data_t = cast_ops.transpose_fp8(self.data)
             else:
                 self._data_t = self.data.reshape(-1, self.data.shape[-1]).t().contiguous()
         return self._data_t

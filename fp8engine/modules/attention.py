@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.modules.layernorm_linear import (LayerNormLinear, check_choice, check_divisible, exit_row_parallel,
                                                 master_weight, no_init, shard, tp_comm, tp_size_rank)
 from fp8engine.modules.linear import Linear
@@ -237,8 +238,10 @@ class MultiheadAttention(nn.Module):
         else:
             attn_mask = None
         # rotary inside the fused QKV op (one kernel from the projection output, its gradient in the QKV-gradient
-        # cast); under torch.compile Inductor fuses the plain-PyTorch rotation itself
-        in_op = rotary_pos_emb is not None and self.fuse_qkv_params and not torch.compiler.is_compiling()
+        # cast; under torch.compile the same kernels as opaque ops in FP8, fp8engine.ops.kernel_ops); a compiled
+        # high-precision model leaves the plain-PyTorch rotation to Inductor, which fuses it with its neighbours
+        in_op = (rotary_pos_emb is not None and self.fuse_qkv_params
+                 and (not torch.compiler.is_compiling() or get_fp8_context() is not None))
         q, k, v, s_in = self._qkv(hidden_states, is_first_microbatch, rotary_pos_emb if in_op else None)
         if rotary_pos_emb is not None and not in_op:
             q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)

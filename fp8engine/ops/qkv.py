@@ -27,6 +27,7 @@ from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
 from fp8engine.kernels.rotary import check_rope_table, rope_qk
+from fp8engine.ops import kernel_ops
 from fp8engine.ops.linear import _FP8Linear, linear_backward, linear_input
 from fp8engine.ops.rotary import rope_bwd, rope_cos_sin, rope_fwd
 
@@ -52,6 +53,8 @@ def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
     cos, sin = rope_cos_sin(freqs, y.dtype)
     if use_kernels(y) and y.is_contiguous():
         q, k = rope_qk(y, cos, sin, split, b)  # (validates the tables)
+    elif kernel_ops.compiled_kernel_ops(y):  # traced by torch.compile: the kernel as an opaque op
+        q, k = kernel_ops.rope_qk(y.contiguous(), cos, sin, g, hpg, d, b)
     else:
         check_rope_table(cos, sin, s, d, y, "rotary in the QKV op")
         q, k = rope_fwd(q.reshape(s, b, g * hpg, d), cos, sin), rope_fwd(k, cos, sin)
@@ -125,6 +128,14 @@ def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Opt
         cos, sin = rope if rope is not None else (None, None)
         data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax,
                                                                     cos=cos, sin=sin)
+        return Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if dbias else None)
+    if (q.delayed and q.stats is None and q.state is not None and dq is not None and dk is not None
+            and dv is not None and kernel_ops.compiled_kernel_ops(dq)):
+        # traced by torch.compile: the same kernel as an opaque op, into the state's compiled views
+        scale, amax_out, _ = q._op_args(dq, None)
+        cos, sin = rope if rope is not None else (None, None)
+        data, data_t, scale_inv, db = kernel_ops.qkv_grad_cast_fp8(dq, dk, dv, scale, q.fp8_dtype, amax_out, cos,
+                                                                   sin)
         return Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if dbias else None)
     if rope is not None:
         if dq is not None:
