@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from fp8engine.fp8.library import kernel_op
+
 __all__ = ["cast_fp8", "cast_transpose_dbias_fp8", "transpose_fp8", "compiled_kernel_ops"]
 
 _TRITON = importlib.util.find_spec("triton") is not None
@@ -36,7 +38,7 @@ def _none_as_empty(t: Optional[torch.Tensor], like: torch.Tensor, dtype: Optiona
     return like.new_empty((0,), dtype=dtype or like.dtype) if t is None else t
 
 
-@torch.library.custom_op("fp8engine::cast_fp8", mutates_args=("amax",))
+@kernel_op("cast_fp8", mutates_args=("amax",))
 def cast_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax: Optional[torch.Tensor],
              transpose: bool, scale_from_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` cast to FP8 (:func:`fp8engine.kernels.cast.cast_to_fp8`): ``(data, data_t, scale_inv)``.
@@ -64,7 +66,7 @@ def _(x, scale, fp8_dtype, amax, transpose, scale_from_amax):
     return x.new_empty(x.shape, dtype=fp8_dtype), data_t, scale.new_empty((1,))
 
 
-@torch.library.custom_op("fp8engine::cast_transpose_dbias_fp8", mutates_args=("amax",))
+@kernel_op("cast_transpose_dbias_fp8", mutates_args=("amax",))
 def cast_transpose_dbias_fp8(dy: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
                              amax: Optional[torch.Tensor], scale_from_amax: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,7 +84,7 @@ def _(dy, scale, fp8_dtype, amax, scale_from_amax):
             scale.new_empty((1,)), dy.new_empty((n,)))
 
 
-@torch.library.custom_op("fp8engine::transpose_fp8", mutates_args=())
+@kernel_op("transpose_fp8")
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     """The ``[N, M]`` transpose of FP8 ``data [*, N]`` (leading dims flattened into ``M``), contiguous
     (:func:`fp8engine.kernels.cast.transpose_fp8`, a tiled byte copy). Used by

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor, quantize_torch
+from fp8engine.fp8.library import kernel_op
 
 __all__ = ["gemm_bias_gelu_fp8", "mm_accumulate_fp8", "compiled_gemm_ops"]
 
@@ -37,7 +38,7 @@ def compiled_gemm_ops(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() and x.is_cuda
 
 
-@torch.library.custom_op("fp8engine::gemm_bias_gelu_fp8", mutates_args=("amax",))
+@kernel_op("gemm_bias_gelu_fp8", mutates_args=("amax",))
 def gemm_bias_gelu_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
                        bias: torch.Tensor, out_dtype: torch.dtype, scale: torch.Tensor, fp8_dtype: torch.dtype,
                        amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,7 +87,7 @@ def _(a, a_scale_inv, b, b_scale_inv, bias, out_dtype, scale, fp8_dtype, amax):
     return a.new_empty((m, n), dtype=out_dtype), a.new_empty((m, n), dtype=fp8_dtype), scale.new_empty((1,))
 
 
-@torch.library.custom_op("fp8engine::mm_accumulate_fp8", mutates_args=("out",))
+@kernel_op("mm_accumulate_fp8", mutates_args=("out",))
 def mm_accumulate_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
                       out: torch.Tensor, pad_inner: bool) -> None:
     """``out += (a * a_scale_inv) @ (b * b_scale_inv).T`` in place, ``out [M, N]`` float32 (``main_grad``): on CUDA

@@ -43,6 +43,8 @@ from typing import Optional
 
 import torch
 
+from fp8engine.fp8.library import kernel_op
+
 __all__ = ["act_fwd_fp8", "act_bwd_fp8", "act_fwd_amax", "act_bwd_dbias_amax", "cast_fp8", "cast_transpose_dbias_fp8",
            "norm_fwd_fp8", "norm_bwd", "rope_qk", "qkv_grad_cast_fp8", "ACT_KINDS", "compiled_kernel_ops"]
 
@@ -70,7 +72,7 @@ def _act_out_shape(h: torch.Tensor, kind: str) -> tuple:
     return (*h.shape[:-1], n)
 
 
-@torch.library.custom_op("fp8engine::act_fwd_fp8", mutates_args=("amax",))
+@kernel_op("act_fwd_fp8", mutates_args=("amax",))
 def act_fwd_fp8(h: torch.Tensor, kind: str, scale: torch.Tensor, fp8_dtype: torch.dtype,
                 amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``act(h)`` written in FP8: ``(y8, scale_inv)``.
@@ -93,7 +95,7 @@ def _(h, kind, scale, fp8_dtype, amax):
     return h.new_empty(_act_out_shape(h, kind), dtype=fp8_dtype), scale.new_empty((1,))
 
 
-@torch.library.custom_op("fp8engine::act_bwd_fp8", mutates_args=("amax",))
+@kernel_op("act_bwd_fp8", mutates_args=("amax",))
 def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, kind: str, scale: torch.Tensor, fp8_dtype: torch.dtype,
                 amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dh = da * act'(h)`` cast to FP8 with its transpose and column sums: ``(dh8, dh8_t, scale_inv, dbias)``.
@@ -117,7 +119,7 @@ def _(da, h, kind, scale, fp8_dtype, amax):
             scale.new_empty((1,)), da.new_empty((h.shape[-1],)))
 
 
-@torch.library.custom_op("fp8engine::act_fwd_amax", mutates_args=("amax",))
+@kernel_op("act_fwd_amax", mutates_args=("amax",))
 def act_fwd_amax(h: torch.Tensor, kind: str, amax: torch.Tensor) -> torch.Tensor:
     """``act(h)`` written in high precision with its amax, for current scaling (the cast op then derives the scale
     from that amax: :func:`cast_fp8` with ``scale_from_amax``). One pass over ``h``, as in eager mode on CUDA.
@@ -139,7 +141,7 @@ def _(h, kind, amax):
     return h.new_empty(_act_out_shape(h, kind))
 
 
-@torch.library.custom_op("fp8engine::act_bwd_dbias_amax", mutates_args=("amax",))
+@kernel_op("act_bwd_dbias_amax", mutates_args=("amax",))
 def act_bwd_dbias_amax(da: torch.Tensor, h: torch.Tensor, kind: str,
                        amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dh = da * act'(h)`` written in high precision with its column sums and its amax, for current scaling (the
@@ -169,7 +171,7 @@ def _norm_launchers(device: torch.device, rms: bool):
     return tuple(getattr(kn, n + suffix) for n in names)
 
 
-@torch.library.custom_op("fp8engine::norm_fwd_fp8", mutates_args=("amax",))
+@kernel_op("norm_fwd_fp8", mutates_args=("amax",))
 def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  residual: Optional[torch.Tensor], eps: float, rms: bool, zero_centered_gamma: bool,
                  scale: Optional[torch.Tensor], fp8_dtype: Optional[torch.dtype], amax: Optional[torch.Tensor],
@@ -210,7 +212,7 @@ def _(x, weight, bias, residual, eps, rms, zero_centered_gamma, scale, fp8_dtype
             x.new_empty(x.shape if residual is not None else (0,)))
 
 
-@torch.library.custom_op("fp8engine::norm_bwd", mutates_args=())
+@kernel_op("norm_bwd")
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
              dresidual: Optional[torch.Tensor], rms: bool, zero_centered_gamma: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -264,7 +266,7 @@ def _qkv_grad_reference(dq, dk, dv, scale, fp8_dtype, amax_out=None, *, cos=None
     return qkv_grad_cast_transpose_dbias_reference(dq, dk, dv, scale, fp8_dtype, amax_out)
 
 
-@torch.library.custom_op("fp8engine::rope_qk", mutates_args=())
+@kernel_op("rope_qk")
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int, heads_per_group: int,
             head_dim: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q and k read from the grouped QKV projection output, in one pass
@@ -288,7 +290,7 @@ def _(qkv, cos, sin, groups, heads_per_group, head_dim, batch):
             qkv.new_empty((s, batch, groups, head_dim)))
 
 
-@torch.library.custom_op("fp8engine::qkv_grad_cast_fp8", mutates_args=("amax",))
+@kernel_op("qkv_grad_cast_fp8", mutates_args=("amax",))
 def qkv_grad_cast_fp8(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: torch.Tensor,
                       fp8_dtype: torch.dtype, amax: Optional[torch.Tensor], cos: Optional[torch.Tensor],
                       sin: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
