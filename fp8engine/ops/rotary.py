@@ -14,8 +14,20 @@ __all__ = ["rope_cos_sin", "rope_fwd", "rope_bwd"]
 
 def rope_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` of the angles ``freqs [s, 1, 1, r]``, each in ``dtype``, contiguous (the layout the
-    rotary kernels read, :mod:`fp8engine.kernels.rotary`)."""
-    return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
+    rotary kernels read, :mod:`fp8engine.kernels.rotary`).
+
+    Computed once per angle tensor and dtype: the tables are kept on ``freqs`` itself (with its version counter, so
+    an in-place change of the angles recomputes them), and every layer a model passes the same angle tensor to
+    (:class:`fp8engine.models.GPT` keeps one per sequence length) reuses them, where each layer's attention paid
+    four kernels per forward before. Not under ``torch.compile`` (computed in the graph, where Inductor fuses them)
+    nor for angles that require grad."""
+    if torch.compiler.is_compiling() or freqs.requires_grad:
+        return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
+    tables = freqs.__dict__.setdefault("_fp8engine_rope_tables", {})
+    hit = tables.get(dtype)
+    if hit is None or hit[0] != freqs._version:
+        hit = tables[dtype] = (freqs._version, freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous())
+    return hit[1], hit[2]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -105,3 +105,23 @@ def test_split_grouped_qkv_rotary_needs_matching_angles():
     mixed = torch.randn(4, 2, 2 * 3 * 16)
     with pytest.raises(ValueError, match="rotated width"):
         split_grouped_qkv(mixed, 2, 1, 16, freqs=torch.randn(4, 1, 1, 3))
+
+
+def test_rope_tables_computed_once_per_angle_tensor():
+    """``rope_cos_sin`` keeps the tables on the angle tensor: the same objects for the same tensor and dtype (what
+    the layers of one model share), the formula's values exactly, recomputed after an in-place change of the angles,
+    per dtype, and not kept for angles that require grad."""
+    from fp8engine.ops.rotary import rope_cos_sin
+
+    freqs = torch.randn(8, 1, 1, 16)
+    cos, sin = rope_cos_sin(freqs, torch.bfloat16)
+    assert torch.equal(cos, freqs.cos().to(torch.bfloat16)) and torch.equal(sin, freqs.sin().to(torch.bfloat16))
+    again = rope_cos_sin(freqs, torch.bfloat16)
+    assert again[0] is cos and again[1] is sin
+    assert rope_cos_sin(freqs, torch.float32)[0].dtype == torch.float32
+    freqs.mul_(2)
+    cos2, sin2 = rope_cos_sin(freqs, torch.bfloat16)
+    assert cos2 is not cos and torch.equal(cos2, freqs.cos().to(torch.bfloat16))
+    assert torch.equal(sin2, freqs.sin().to(torch.bfloat16))
+    learned = freqs.clone().requires_grad_()
+    assert rope_cos_sin(learned, torch.float32)[0] is not rope_cos_sin(learned, torch.float32)[0]
