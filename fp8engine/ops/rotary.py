@@ -19,9 +19,9 @@ def rope_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     Computed once per angle tensor and dtype: the tables are kept on ``freqs`` itself (with its version counter, so
     an in-place change of the angles recomputes them), and every layer a model passes the same angle tensor to
     (:class:`fp8engine.models.GPT` keeps one per sequence length) reuses them, where each layer's attention paid
-    four kernels per forward before. Not under ``torch.compile`` (computed in the graph, where Inductor fuses them)
-    nor for angles that require grad."""
-    if torch.compiler.is_compiling() or freqs.requires_grad:
+    four kernels per forward before. Not under ``torch.compile`` (computed in the graph, where Inductor fuses them),
+    nor for angles that require grad or were made under ``torch.inference_mode`` (no version counter)."""
+    if torch.compiler.is_compiling() or freqs.requires_grad or freqs.is_inference():
         return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
     tables = freqs.__dict__.setdefault("_fp8engine_rope_tables", {})
     hit = tables.get(dtype)

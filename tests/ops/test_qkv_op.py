@@ -125,3 +125,6 @@ def test_rope_tables_computed_once_per_angle_tensor():
     assert torch.equal(sin2, freqs.sin().to(torch.bfloat16))
     learned = freqs.clone().requires_grad_()
     assert rope_cos_sin(learned, torch.float32)[0] is not rope_cos_sin(learned, torch.float32)[0]
+    with torch.inference_mode():  # inference tensors have no version counter: computed, not kept
+        made = freqs.clone()
+        assert torch.equal(rope_cos_sin(made, torch.float32)[0], made.cos())
