@@ -20,13 +20,17 @@ def rope_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     an in-place change of the angles recomputes them), and every layer a model passes the same angle tensor to
     (:class:`fp8engine.models.GPT` keeps one per sequence length) reuses them, where each layer's attention paid
     four kernels per forward before. Not under ``torch.compile`` (computed in the graph, where Inductor fuses them),
-    nor for angles that require grad or were made under ``torch.inference_mode`` (no version counter)."""
+    nor for angles that require grad or were made under ``torch.inference_mode`` (no version counter); tables first
+    made during a CUDA graph capture are not kept (kept ones made before it are used by the graph)."""
     if torch.compiler.is_compiling() or freqs.requires_grad or freqs.is_inference():
         return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
     tables = freqs.__dict__.setdefault("_fp8engine_rope_tables", {})
     hit = tables.get(dtype)
     if hit is None or hit[0] != freqs._version:
-        hit = tables[dtype] = (freqs._version, freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous())
+        hit = (freqs._version, freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous())
+        # tables made while a CUDA graph captures hold their values only once the graph replays: not kept
+        if not (freqs.is_cuda and torch.cuda.is_current_stream_capturing()):
+            tables[dtype] = hit
     return hit[1], hit[2]
 
 
