@@ -10,6 +10,10 @@ With ``--rounds R`` every row is timed R times, the rows interleaved (every row 
 and the medians over rounds are reported: the GPU's speed drifts over a run (rows timed later ran slower), and
 interleaving spreads that drift over all rows.
 
+``graphs compiled``: the graphs Dynamo captured while the row was timed, its warm-up included (0 for eager rows; 1
+for a compiled layer without graph breaks that compiled once; more: a graph break or a re-compile after a failed
+guard, and past Dynamo's cache-size limit the row runs eagerly, with Dynamo's guard checks on every call).
+
 Two timings per row: ``ms`` = median of single steps, each after a synchronisation (the ANCHORS.md method: every
 step also pays the host time until its first kernels reach the GPU); ``ms back-to-back`` = median over repeats of
 5 steps issued without synchronisation, per step (consecutive training steps; host time overlaps GPU work).
@@ -136,20 +140,25 @@ def run_single(args) -> list[dict]:
         recipe = fe.DelayedScaling()
         graphed = make_graphed_callables(_ours(h, f, heads, dev), (x,), fp8_recipe=recipe)
         cases.append(("fp8engine TransformerLayer fp8 delayed, CUDA graph (make_graphed_callables)", graphed, recipe))
+    from torch._dynamo.utils import counters
+
     flops = layer_flops(s, b, h, f)
-    times = {name: ([], [], []) for name, _, _ in cases}  # single, back-to-back, peak GiB per round
+    times = {name: ([], [], [], []) for name, _, _ in cases}  # single, back-to-back, peak GiB, graphs per round
     for _ in range(args.rounds):  # rows interleaved: a drift of the GPU's speed over the run hits all rows alike
         for name, model, recipe in cases:
             peak_memory_gib(reset=True)
+            graphs = counters["stats"]["unique_graphs"]
             step = _cached_weights_step(model, x, dy, recipe) if name == _CACHED else fwd_bwd_step(model, x, dy, recipe)
             times[name][0].append(time_fn(step, warmup=3, iters=args.iters, device=dev))
             times[name][1].append(time_back_to_back(step, steps=5, repeats=args.iters, device=dev))
             times[name][2].append(peak_memory_gib())
+            times[name][3].append(counters["stats"]["unique_graphs"] - graphs)
     rows = []
-    for name, (single, b2b, peak) in times.items():
+    for name, (single, b2b, peak, graphs) in times.items():
         ms = statistics.median(single)
         rows.append({"impl": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "ms back-to-back": statistics.median(b2b),
-                     "peak_GiB": max(peak), "ms per round": " / ".join(f"{v:.2f}" for v in single)})
+                     "peak_GiB": max(peak), "ms per round": " / ".join(f"{v:.2f}" for v in single),
+                     "graphs compiled": sum(graphs)})
     return rows
 
 
