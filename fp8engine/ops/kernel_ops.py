@@ -23,8 +23,8 @@ those wrote, whose mean / rstd have the kernel's layout), and the fused QKV proj
 (:func:`rope_qk`: rotated q and k in one pass from the projection output) and its output gradient's cast from dq, dk,
 dv with the rotation's gradient inside (:func:`qkv_grad_cast_fp8`, delayed scaling). Those two replace, per layer,
 Inductor's generated rotation of q and k (forward and backward), the copy of dq, dk, dv into one buffer and a
-separate cast of it: 3.0 of the compiled gpt2-124m step's 26.2 ms of GPU work on the H100 against 1.7 ms for our two
-kernels (``python tools/step_profile.py --model gpt2-124m --mode fp8-delayed-compile --kernels``).
+separate cast of it: 3.3 ms of the compiled gpt2-124m step's 26.2 ms of GPU work on the H100, plus 12 more
+cast-transposes, against 1.7 ms for our two kernels (``python tools/step_profile.py --model gpt2-124m --mode fp8-delayed-compile --kernels``).
 
 Current scaling runs what eager mode runs on CUDA: the norm / activation kernel writes high precision and takes the
 amax of the values it wrote in the same pass (an atomic max per program), then :func:`cast_fp8` derives the scale
@@ -246,23 +246,18 @@ def _rope_launchers(device: torch.device):
 
 
 def _rope_qk_reference(qkv, cos, sin, split, batch):
-    from fp8engine.ops.rotary import rope_fwd
+    from fp8engine.ops.qkv import rotate_views
 
-    g, hpg, d = split
-    grouped = qkv.view(-1, batch, g, hpg + 2, d)
-    s = grouped.shape[0]
-    q = rope_fwd(grouped[..., :hpg, :].reshape(s, batch, g * hpg, d), cos, sin)
-    return q.contiguous(), rope_fwd(grouped[..., hpg, :], cos, sin).contiguous()
+    q, k = rotate_views(qkv.view(-1, batch, qkv.shape[-1]), split, cos, sin)
+    return q.contiguous(), k.contiguous()  # (an operator's outputs: new, dense tensors)
 
 
 def _qkv_grad_reference(dq, dk, dv, scale, fp8_dtype, amax_out=None, *, cos=None, sin=None):
     from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias_reference
-    from fp8engine.ops.rotary import rope_bwd
+    from fp8engine.ops.qkv import unrotate_grads
 
     if cos is not None:
-        s, b, g, hpg, d = dq.shape
-        dq = rope_bwd(dq.reshape(s, b, g * hpg, d), cos, sin).view(s, b, g, hpg, d)
-        dk = rope_bwd(dk, cos, sin)
+        dq, dk = unrotate_grads(dq, dk, (cos, sin))
     return qkv_grad_cast_transpose_dbias_reference(dq, dk, dv, scale, fp8_dtype, amax_out)
 
 

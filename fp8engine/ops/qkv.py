@@ -40,6 +40,24 @@ def _views(y: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
     return grouped[..., :heads_per_group, :], grouped[..., heads_per_group, :], grouped[..., heads_per_group + 1, :]
 
 
+def rotate_views(y: torch.Tensor, split: tuple, cos: torch.Tensor, sin: torch.Tensor):
+    """The plain-PyTorch rotation of q and k of ``y [s, b, C]`` (:func:`fp8engine.ops.rotary.rope_fwd` on the
+    grouped views): ``(q [s, b, g * hpg, d], k [s, b, g, d])``, new tensors; the bits of
+    :func:`fp8engine.kernels.rotary.rope_qk`."""
+    g, hpg, d = split
+    q, k, _ = _views(y, g, hpg, d)
+    return rope_fwd(q.reshape(*y.shape[:2], g * hpg, d), cos, sin), rope_fwd(k, cos, sin)
+
+
+def unrotate_grads(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], rope: tuple):
+    """The rotation's gradient (:func:`fp8engine.ops.rotary.rope_bwd`) applied to ``dq [s, b, g, hpg, d]`` and
+    ``dk [s, b, g, d]`` (None stays None): the gradients of q and k before the rotation."""
+    if dq is not None:
+        s, b, g, hpg, d = dq.shape
+        dq = rope_bwd(dq.reshape(s, b, g * hpg, d), *rope).view(s, b, g, hpg, d)
+    return dq, None if dk is None else rope_bwd(dk, *rope)
+
+
 def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
     """``y [s, b, C]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d], rope)``: views of ``y``, or with
     rotary angles ``freqs [s, 1, 1, r]`` q and k rotated (new tensors: one kernel pass from ``y``,
@@ -57,7 +75,7 @@ def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
         q, k = kernel_ops.rope_qk(y.contiguous(), cos, sin, g, hpg, d, b)
     else:
         check_rope_table(cos, sin, s, d, y, "rotary in the QKV op")
-        q, k = rope_fwd(q.reshape(s, b, g * hpg, d), cos, sin), rope_fwd(k, cos, sin)
+        q, k = rotate_views(y, split, cos, sin)
     return q.view(s, b, g, hpg, d), k, v, (cos, sin)
 
 
@@ -75,9 +93,7 @@ class _SplitGroupedQKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         if ctx.rope is not None:
-            s, b, g, hpg, d = dq.shape
-            dq = rope_bwd(dq.reshape(s, b, g * hpg, d), *ctx.rope).view(s, b, g, hpg, d)
-            dk = rope_bwd(dk, *ctx.rope)
+            dq, dk = unrotate_grads(dq, dk, ctx.rope)
         return assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg), None, None, None, None
 
 
@@ -122,27 +138,22 @@ def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Opt
     pass, the rotation inside it (module docstring); otherwise ``rope_bwd``, then the assembled buffer cast as any
     linear's output gradient (same bits)."""
     q = quantizer
-    if q.delayed and q.stats is None and dq is not None and dk is not None and dv is not None and use_kernels(dq):
-        from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
+    if q.delayed and q.stats is None and dq is not None and dk is not None and dv is not None:
+        cos, sin = rope if rope is not None else (None, None)
+        out = None
+        if use_kernels(dq):
+            from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
 
-        cos, sin = rope if rope is not None else (None, None)
-        data, data_t, scale_inv, db = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax,
-                                                                    cos=cos, sin=sin)
-        return Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if dbias else None)
-    if (q.delayed and q.stats is None and q.state is not None and dq is not None and dk is not None
-            and dv is not None and kernel_ops.compiled_kernel_ops(dq)):
-        # traced by torch.compile: the same kernel as an opaque op, into the state's compiled views
-        scale, amax_out, _ = q._op_args(dq, None)
-        cos, sin = rope if rope is not None else (None, None)
-        data, data_t, scale_inv, db = kernel_ops.qkv_grad_cast_fp8(dq, dk, dv, scale, q.fp8_dtype, amax_out, cos,
-                                                                   sin)
-        return Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if dbias else None)
+            out = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax, cos=cos, sin=sin)
+        elif q.state is not None and kernel_ops.compiled_kernel_ops(dq):
+            # traced by torch.compile: the same kernel as an opaque op, into the state's compiled views
+            scale, amax_out, _ = q._op_args(dq, None)
+            out = kernel_ops.qkv_grad_cast_fp8(dq, dk, dv, scale, q.fp8_dtype, amax_out, cos, sin)
+        if out is not None:
+            data, data_t, scale_inv, db = out
+            return Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if dbias else None)
     if rope is not None:
-        if dq is not None:
-            s, b, g, hpg, d = dq.shape
-            dq = rope_bwd(dq.reshape(s, b, g * hpg, d), *rope).view(s, b, g, hpg, d)
-        if dk is not None:
-            dk = rope_bwd(dk, *rope)
+        dq, dk = unrotate_grads(dq, dk, rope)
     dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=heads_per_group)
     return q.quantize_dbias(dy.reshape(-1, dy.shape[-1]), transpose=transpose, dbias=dbias)
 

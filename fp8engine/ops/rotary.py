@@ -23,15 +23,19 @@ def rope_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     nor for angles that require grad or were made under ``torch.inference_mode`` (no version counter); tables first
     made during a CUDA graph capture are not kept (kept ones made before it are used by the graph)."""
     if torch.compiler.is_compiling() or freqs.requires_grad or freqs.is_inference():
-        return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
-    tables = freqs.__dict__.setdefault("_fp8engine_rope_tables", {})
-    hit = tables.get(dtype)
+        return _tables(freqs, dtype)
+    kept = freqs.__dict__.setdefault("_fp8engine_rope_tables", {})
+    hit = kept.get(dtype)
     if hit is None or hit[0] != freqs._version:
-        hit = (freqs._version, freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous())
+        hit = (freqs._version, *_tables(freqs, dtype))
         # tables made while a CUDA graph captures hold their values only once the graph replays: not kept
         if not (freqs.is_cuda and torch.cuda.is_current_stream_capturing()):
-            tables[dtype] = hit
+            kept[dtype] = hit
     return hit[1], hit[2]
+
+
+def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
