@@ -4,7 +4,8 @@
     dgrad: dx = dy @ w       dy 1 x 128 tiles along N (out_features), w^T: the same blocks, transposed
     wgrad: dw = dy.T @ x     dy^T and x^T re-tiled: 1 x 128 tiles along the token dim M
 Every scale is computed just in time from its own tile's amax (no history, nothing recorded); each operand is cast
-once, its transposed (re-tiled) copy written by the same kernel pass. The bias gradient is ``dy.sum(0)`` in fp32.
+once, its transposed (re-tiled) copy written by the same kernel pass. The bias is added by the fprop GEMM
+(:func:`~fp8engine.ops.block_gemm.block_gemm`'s ``bias``); its gradient is ``dy.sum(0)`` in fp32.
 Forward tensors are cast to ``recipe.fp8_format.fwd``, gradients to ``.bwd`` (E4M3, or E5M2 with HYBRID). The
 casts are done by the GEMM's :class:`~fp8engine.fp8.quantizer.LinearQuantizers` of
 :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer` objects (what ``FP8Module.fp8_begin()`` returns under the
@@ -77,11 +78,9 @@ class BlockLinearFunction(torch.autograd.Function):
         qw, qw_t = quantizers.weight.quantize(weight, transpose=need_dx) if w_q is None else w_q
         if need_dx and qw_t is None:  # a cached weight cast without its transpose (exact for 128 x 128 blocks)
             qw_t = qw.t()
-        y = block_gemm(qx, qw, x.dtype, use_hw=use_hw)  # fprop: [M, K] x [N, K] -> [M, N]
+        y = block_gemm(qx, qw, x.dtype, bias=bias, use_hw=use_hw)  # fprop: [M, K] x [N, K] -> [M, N] (+ bias)
         if pad:
             y = y[:m]
-        if bias is not None:
-            y = y + bias.to(y.dtype)
         ctx.save_for_backward(weight)
         ctx.saved = (qx_t if need_dw else None, qw_t if need_dx else None)
         ctx.cfg = (quantizers.grad_output, fuse_wgrad, use_hw, x.shape, x.dtype, pad)

@@ -85,18 +85,13 @@ class _BlockMLP(torch.autograd.Function):
             assert qx.shape[0] == m + pad, "x_q does not fit x"
         qw1, qw1_t = _weight_pair(w1, fc1.weight, w1_q, need_x)
         qw2, qw2_t = _weight_pair(w2, fc2.weight, w2_q, need_dh)
-        # fc1 fprop: h = x @ W1.T + b1 (the padding rows dropped: they would be b1, not zero)
-        h = block_gemm(qx, qw1, x.dtype)[:m]
-        if b1 is not None:
-            h = h + b1.to(h.dtype)
-        h = h.contiguous()
+        # fc1 fprop: h = x @ W1.T + b1, the bias in the GEMM (the padding rows dropped: they hold b1, not zero)
+        h = block_gemm(qx, qw1, x.dtype, bias=b1)[:m].contiguous()
         # the activation, written 1 x 128-tiled for fc2 (with a^T for fc2's wgrad), padded rows zero
         qa, qa_t = _fp8(*act_fwd_1x128(h, kind, fc2.input.fp8_dtype, power_2_scale=fc2.input.power_2_scale,
                                        transpose=need_dw2, pad_rows=True), x.dtype)
         # fc2 fprop: y = a @ W2.T + b2
-        y = block_gemm(qa, qw2, x.dtype)[:m]
-        if b2 is not None:
-            y = y + b2.to(y.dtype)
+        y = block_gemm(qa, qw2, x.dtype, bias=b2)[:m]
         ctx.save_for_backward(w1, w2, h if need_dh else None)
         ctx.saved = (qx_t if need_dw1 else None, qw1_t if need_x else None, qa_t, qw2_t if need_dh else None)
         ctx.cfg = (fc1.grad_output, fc2.grad_output, kind, fuse_wgrad, x.shape, pad)

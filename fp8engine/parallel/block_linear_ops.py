@@ -96,11 +96,13 @@ class _TPBlockLinear(torch.autograd.Function):
             qx, ctx.x_t = quantizers.input.quantize(F.pad(x_total, (0, 0, 0, pad)) if pad else x_total,
                                                     transpose=need_dw)
         qw, qw_t = quantizers.weight.quantize(weight, transpose=need_dx)
-        y = block_gemm(qx, qw, x.dtype)  # fprop
+        # fprop; column parallel adds the bias in the GEMM, row parallel after summing the ranks' partial outputs
+        in_gemm = not comm.reduces_output
+        y = block_gemm(qx, qw, x.dtype, bias=bias if in_gemm else None)
         if pad:
             y = y[:y.shape[0] - pad]
-        y = comm.reduce_output(y)  # row parallel: the partial sums over the ranks, then the bias
-        if bias is not None:
+        y = comm.reduce_output(y)
+        if bias is not None and not in_gemm:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(weight)
         ctx.w_t, ctx.quantizers, ctx.comm, ctx.fuse_wgrad, ctx.pad = qw_t, quantizers, comm, fuse_wgrad, pad

@@ -58,6 +58,27 @@ def test_sqnr_vs_unquantized(b_block):
     assert sqnr(a.double() @ b.double().t(), out) >= 25
 
 
+
+@pytest.mark.parametrize("b_block", [BLOCK_128x128, TILE_1x128], ids=["1x128-128x128", "1x128-1x128"])
+def test_bias(b_block):
+    """bf16 output: the bias is added before the one rounding (as cuBLASLt's epilogue adds it to the fp32 sum), so
+    the result is the float64 formula plus the bias, rounded once to bf16, exactly. fp32 output: the fp32 GEMM plus
+    the bias (fp32 add), exactly. A bias in another dtype is brought to the output's first."""
+    qa = quantize_block(_data((256, 384), 0), E4M3, TILE_1x128)
+    qb = quantize_block(_data((128, 384), 1), E4M3, b_block)
+    bias = _data((128,), 5, torch.float32)
+    got = block_gemm(qa, qb, torch.bfloat16, bias=bias)
+    want = (qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t() + bias.to(torch.bfloat16).double())
+    assert torch.equal(got, want.to(torch.bfloat16))
+    # one rounding instead of two: never further from the float64 value than GEMM-then-add
+    two = (block_gemm(qa, qb, torch.bfloat16) + bias.to(torch.bfloat16)).double()
+    assert (got.double() - want).abs().max() <= (two - want).abs().max()
+    torch.testing.assert_close(block_gemm(qa, qb, torch.float32, bias=bias),
+                               block_gemm(qa, qb, torch.float32) + bias, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"bias must be \[N\] = \[128\]"):
+        block_gemm(qa, qb, bias=bias[:64])
+
+
 def test_errors():
     qa = quantize_block(_data((128, 256), 0), E4M3, TILE_1x128)
     qw = quantize_block(_data((128, 256), 1), E4M3, BLOCK_128x128)
@@ -103,4 +124,9 @@ def test_cuda_hw_matches_emulation(b_block, mkn):
     qb = quantize_block(_data((n, k), 1, device="cuda"), E4M3, b_block)
     hw = block_gemm(qa, qb, torch.bfloat16, use_hw=True)
     emu = block_gemm(qa, qb, torch.bfloat16, use_hw=False)
+    assert sqnr(emu, hw) >= 45
+    # the bias in cuBLASLt's epilogue against the emulation's float64 add (one rounding each)
+    bias = _data((n,), 9, device="cuda")
+    hw = block_gemm(qa, qb, torch.bfloat16, bias=bias, use_hw=True)
+    emu = block_gemm(qa, qb, torch.bfloat16, bias=bias, use_hw=False)
     assert sqnr(emu, hw) >= 45
