@@ -16,8 +16,9 @@ column sum of the fp32 gradient (per 128-row tile, then one fixed-order sum: det
 dtype, as the per-tensor backward kernel's (which sums per 64-row tile: the same value up to fp32 summation order).
 
 One kernel per pass, one 128 x 128 output tile per program (SwiGLU's backward: the gate and the up tile of the same
-rows / columns), which holds both the tile's row scales and its column scales: x (and dy) are read once, only FP8
-is written. Unfused, the activation wrote and the cast read the ``[M, F]`` (backward ``[M, D]``) intermediate.
+rows / columns), which writes both the tile's row scales and its column scales: x (and dy) are read from HBM once
+(the transposed copy's pass re-reads the tile transposed, from L2: see ``block_cast._store_1x128_t``), only FP8 is
+written. Unfused, the activation wrote and the cast read the ``[M, F]`` (backward ``[M, D]``) intermediate.
 
 Row padding (``pad_rows``): the FP8 outputs get ``M_out = ceil(M / 128) * 128`` rows, rows ``M..`` zero (data 0,
 scale_inv 1), the layout :mod:`fp8engine.ops.block_linear` builds by zero-padding the token rows, so the wgrad GEMM's
@@ -37,7 +38,7 @@ import torch
 from ._common import (_masked_abs, as_2d, cdiv, check_hp, check_launchable, fp8_cvt_mode, fp8_format, launch,
                       sum_partials, tl, triton)
 from .activation import _GELU, _RELU, _SWIGLU, _act_bwd_math, _act_fwd_math, _gelu_tanh, _sigmoid
-from .block_cast import BLOCK, BLOCK_WARPS, _store_1x128_cols_t, _store_1x128_rows, cast_1x128_reference
+from .block_cast import BLOCK, BLOCK_WARPS, _store_1x128_rows, _store_1x128_t, cast_1x128_reference
 
 __all__ = ["act_fwd_1x128", "act_bwd_1x128", "act_fwd_1x128_reference", "act_bwd_1x128_reference", "KINDS"]
 
@@ -46,18 +47,65 @@ KINDS = {"gelu": _GELU, "relu": _RELU, "swiglu": _SWIGLU}
 
 
 @triton.jit
-def _store_tile_1x128(y, offs_m, offs_n, pid_m, kb, M, M_OUT, NC, out_ptr, sinv_ptr, out_t_ptr, sinv_t_ptr,
-                      FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, CVT: tl.constexpr, POW2: tl.constexpr,
-                      WRITE_T: tl.constexpr):
+def _store_rows_1x128(y, offs_m, offs_n, kb, M, M_OUT, NC, out_ptr, sinv_ptr, FP8_MAX: tl.constexpr,
+                      IS_E4M3: tl.constexpr, CVT: tl.constexpr, POW2: tl.constexpr):
     """Zero the padding rows (>= M) of the fp32 tile ``y`` (rows offs_m, columns offs_n of an [M_OUT, NC] matrix,
-    tile column ``kb``) and store it 1 x 128-tiled, and re-tiled transposed when WRITE_T."""
+    tile column ``kb``) and store it 1 x 128-tiled."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < NC)
     y = tl.where(mask, y, 0.0)
-    a = _masked_abs(y, mask)
-    _store_1x128_rows(y, a, offs_m, offs_n, kb, M_OUT, NC, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
-    if WRITE_T:
-        _store_1x128_cols_t(y, a, offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT,
-                            POW2)
+    _store_1x128_rows(y, _masked_abs(y, mask), offs_m, offs_n, kb, M_OUT, NC, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3,
+                      CVT, POW2)
+
+
+@triton.jit
+def _store_t_1x128(yt, offs_m, offs_n, pid_m, M, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX: tl.constexpr,
+                   IS_E4M3: tl.constexpr, CVT: tl.constexpr, POW2: tl.constexpr):
+    """The re-tiled transpose from ``yt``, the same tile computed from its inputs loaded transposed (rows offs_n,
+    columns offs_m; see ``block_cast._store_1x128_t``), padding rows of y (columns of yt >= M) zeroed."""
+    mask_t = (offs_n[:, None] < NC) & (offs_m[None, :] < M)
+    yt = tl.where(mask_t, yt, 0.0)
+    _store_1x128_t(yt, _masked_abs(yt, mask_t), offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX,
+                   IS_E4M3, CVT, POW2)
+
+
+@triton.jit
+def _act_fwd_tile(x_ptr, r, c, mask, N, ACT: tl.constexpr):
+    """The activation of the inputs at rows ``r`` (int64) and columns ``c`` of x, fp32; ``r`` / ``c`` broadcast to
+    the tile's shape, ``[:, None]`` / ``[None, :]`` for the row-major tile or the other way round for its
+    transpose (same values, element for element)."""
+    if ACT == 2:
+        g = tl.load(x_ptr + r * (2 * N) + c, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + r * (2 * N) + N + c, mask=mask, other=0.0).to(tl.float32)
+        y = g * _sigmoid(g) * u
+    else:
+        x = tl.load(x_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            y = _gelu_tanh(x)
+        else:
+            y = tl.where(x < 0.0, 0.0, x)
+    return y
+
+
+@triton.jit
+def _act_bwd_tile(dy_ptr, x_ptr, r, c, mask, N, ACT: tl.constexpr):
+    """``(dx, du)`` at rows ``r``, columns ``c`` (as :func:`_act_fwd_tile`), fp32: GELU / ReLU ``dx`` (``du`` =
+    ``dx``, unused), SwiGLU the gate and up gradients."""
+    dy = tl.load(dy_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 2:
+        g = tl.load(x_ptr + r * (2 * N) + c, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + r * (2 * N) + N + c, mask=mask, other=0.0).to(tl.float32)
+        sig = _sigmoid(g)
+        dx = dy * u * sig * (1.0 + g * (1.0 - sig))
+        du = dy * g * sig
+    else:
+        x = tl.load(x_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            s = _sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
+            dx = dy * (s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x))
+        else:
+            dx = tl.where(x > 0.0, dy, 0.0)
+        du = dx
+    return dx, du
 
 
 @triton.jit
@@ -83,19 +131,12 @@ def _block_act_fwd_kernel(
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
     offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    rows = offs_m[:, None].to(tl.int64)
-    if ACT == 2:
-        g = tl.load(x_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = g * _sigmoid(g) * u
-    else:
-        x = tl.load(x_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            y = _gelu_tanh(x)
-        else:
-            y = tl.where(x < 0.0, 0.0, x)
-    _store_tile_1x128(y, offs_m, offs_n, pid_m, pid_n, M, M_OUT, N, y8_ptr, sinv_ptr, y8t_ptr, sinv_t_ptr,
-                      FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T)
+    y = _act_fwd_tile(x_ptr, offs_m[:, None].to(tl.int64), offs_n[None, :], mask, N, ACT)
+    _store_rows_1x128(y, offs_m, offs_n, pid_n, M, M_OUT, N, y8_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
+    if WRITE_T:  # the tile again from x read transposed (an L2 hit), for the re-tiled transpose
+        mask_t = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        yt = _act_fwd_tile(x_ptr, offs_m[None, :].to(tl.int64), offs_n[:, None], mask_t, N, ACT)
+        _store_t_1x128(yt, offs_m, offs_n, pid_m, M, M_OUT, N, y8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
 
 
 @triton.jit
@@ -124,35 +165,27 @@ def _block_act_bwd_kernel(
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
     offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    rows = offs_m[:, None].to(tl.int64)
-    dy = tl.load(dy_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if ACT == 2:  # SwiGLU: dx = [dg | du], row length 2N; dg's tile is tile column pid_n, du's N/128 + pid_n
+    dx, du = _act_bwd_tile(dy_ptr, x_ptr, offs_m[:, None].to(tl.int64), offs_n[None, :], mask, N, ACT)
+    if ACT == 2:  # SwiGLU: dx = [dg | du], rows of 2N; dg's tile is tile column pid_n, du's N/128 + pid_n
         nc = 2 * N
-        part = dbias_part_ptr + pid_m.to(tl.int64) * nc
-        g = tl.load(x_ptr + rows * nc + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + rows * nc + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        sig = _sigmoid(g)
-        dg = dy * u * sig * (1.0 + g * (1.0 - sig))
-        du = dy * g * sig
-        _store_tile_1x128(dg, offs_m, offs_n, pid_m, pid_n, M, M_OUT, nc, dx8_ptr, sinv_ptr, dx8t_ptr, sinv_t_ptr,
-                          FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T)
-        _store_tile_1x128(du, offs_m, offs_n + N, pid_m, pid_n + N // BLOCK, M, M_OUT, nc, dx8_ptr, sinv_ptr,
-                          dx8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T)
-        if HAS_DBIAS:
-            tl.store(part + offs_n, tl.sum(tl.where(mask, dg, 0.0), axis=0), mask=offs_n < N)
-            tl.store(part + N + offs_n, tl.sum(tl.where(mask, du, 0.0), axis=0), mask=offs_n < N)
     else:
-        x = tl.load(x_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            s = _sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
-            dx = dy * (s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x))
-        else:
-            dx = tl.where(x > 0.0, dy, 0.0)
-        _store_tile_1x128(dx, offs_m, offs_n, pid_m, pid_n, M, M_OUT, N, dx8_ptr, sinv_ptr, dx8t_ptr, sinv_t_ptr,
-                          FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T)
-        if HAS_DBIAS:
-            tl.store(dbias_part_ptr + pid_m.to(tl.int64) * N + offs_n, tl.sum(tl.where(mask, dx, 0.0), axis=0),
-                     mask=offs_n < N)
+        nc = N
+    _store_rows_1x128(dx, offs_m, offs_n, pid_n, M, M_OUT, nc, dx8_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
+    if ACT == 2:
+        _store_rows_1x128(du, offs_m, offs_n + N, pid_n + N // BLOCK, M, M_OUT, nc, dx8_ptr, sinv_ptr, FP8_MAX,
+                          IS_E4M3, CVT, POW2)
+    if HAS_DBIAS:
+        part = dbias_part_ptr + pid_m.to(tl.int64) * nc
+        tl.store(part + offs_n, tl.sum(tl.where(mask, dx, 0.0), axis=0), mask=offs_n < N)
+        if ACT == 2:
+            tl.store(part + N + offs_n, tl.sum(tl.where(mask, du, 0.0), axis=0), mask=offs_n < N)
+    if WRITE_T:  # the tile again from dy and x read transposed (L2 hits), for the re-tiled transposes
+        mask_t = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        dxt, dut = _act_bwd_tile(dy_ptr, x_ptr, offs_m[None, :].to(tl.int64), offs_n[:, None], mask_t, N, ACT)
+        _store_t_1x128(dxt, offs_m, offs_n, pid_m, M, M_OUT, nc, dx8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
+        if ACT == 2:
+            _store_t_1x128(dut, offs_m, offs_n + N, pid_m, M, M_OUT, nc, dx8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3,
+                           CVT, POW2)
 
 
 def _kind(kind: str, op: str) -> int:

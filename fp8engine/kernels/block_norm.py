@@ -59,7 +59,7 @@ from .block_cast import (
     BLOCK,
     BLOCK_WARPS,
     _block_scale,
-    _store_1x128_cols_t,
+    _store_1x128_t,
     cast_1x128_reference,
 )
 from .norm import MAX_N, _normalize_rows, _tile
@@ -150,23 +150,25 @@ def _block_norm_t_kernel(
     offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
     rmask = offs_m < M
     cmask = offs_n < N
-    mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    # the tile read transposed ([n, m]: rows offs_n, columns offs_m), so each 1 x 128 tile of y^T is a row of it
+    # (see block_cast._store_1x128_t); the values are the rows kernel's, element for element
+    mask = cmask[:, None] & rmask[None, :]
+    x = tl.load(s_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + offs_m, mask=rmask, other=0.0)
     if IS_RMS:
         xc = x
     else:
         mean = tl.load(mean_ptr + offs_m, mask=rmask, other=0.0)
-        xc = tl.where(mask, x - mean[:, None], 0.0)
+        xc = tl.where(mask, x - mean[None, :], 0.0)
     w = tl.load(w_ptr + offs_n, mask=cmask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
-    y = xc * rstd[:, None] * w[None, :]
+    y = xc * rstd[None, :] * w[:, None]
     if HAS_BIAS:
-        y = y + tl.load(b_ptr + offs_n, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = y + tl.load(b_ptr + offs_n, mask=cmask, other=0.0).to(tl.float32)[:, None]
     y = tl.where(mask, y, 0.0)
-    a = _masked_abs(y, mask)
-    _store_1x128_cols_t(y, a, offs_m, offs_n, pid_m, M_OUT, N, y8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
+    _store_1x128_t(y, _masked_abs(y, mask), offs_m, offs_n, pid_m, M_OUT, N, y8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3,
+                   CVT, POW2)
 
 
 def _check_vec(v, name, n, x, op):
