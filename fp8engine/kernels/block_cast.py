@@ -54,9 +54,9 @@ BLOCK = 128
 #: activation kernels. The plain cast's launch picks from ``_CAST_WARPS``.
 BLOCK_WARPS = 8
 #: (mode, transpose) -> warps of the plain block cast. One H100, torch 2.11, Triton 3.6, bf16 in, E4M3 out, 20 calls
-#: each (warps 4 / 8 / 16): 1 x 128 without the transpose of (8192, 16384) 0.207 / 0.183 / 0.147 ms; 128 x 128 with
-#: the transpose of (4096, 16384) 0.162 / 0.182 / 0.145 ms; 1 x 128 with the re-tiled transpose, the tile re-read
-#: transposed (_store_1x128_t), of (8192, 12288) 0.317 / 0.272 / 0.287 ms.
+#: each (warps 4 / 8 / 16): 1 x 128 without the transpose of (8192, 16384) 0.207 / 0.183 / 0.147 ms; with the tile
+#: re-read transposed for the transposed copy (_store_1x128_t): 1 x 128 re-tiled of (8192, 12288) 0.317 / 0.272 /
+#: 0.287 ms, 128 x 128 of (16384, 4096) 0.198 / 0.209 / 0.150 ms (0.173 ms at 16 warps transposing the register tile).
 _CAST_WARPS = {(1, True): 8, (1, False): 16, (2, True): 16, (2, False): 16}
 #: Largest finite fp32: the scale's clamp where fp8_max / amax overflows (amax a tiny subnormal).
 _F32_MAX = 3.4028234663852886e38
@@ -200,9 +200,11 @@ def _block_cast_kernel(
         s = _block_scale(tl.max(tl.max(a, axis=1), axis=0), FP8_MAX, POW2)
         b = _quantize(x, s, FP8_MAX, IS_E4M3, CVT)
         tl.store(out_ptr + rows[:, None] * K + cols[None, :], b, mask=mask)
-        if WRITE_T:
+        if WRITE_T:  # the same tile re-read transposed and quantized with the block's scale (see _store_1x128_t)
             mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
-            tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(b), mask=mask_t)
+            xt = tl.load(x_ptr + rows[None, :] * K + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
+            tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], _quantize(xt, s, FP8_MAX, IS_E4M3, CVT),
+                     mask=mask_t)
         tl.store(sinv_ptr + pid_m.to(tl.int64) * tl.cdiv(K, BLOCK) + pid_k, tl.math.div_rn(1.0, s))
 
 
