@@ -6,8 +6,11 @@ fwd+bwd with ``y.backward(dy)``, grads reset to None each step as in ``bench lay
 warm-up and prints, per variant: GPU kernel time per step by kind (FP8/bf16 GEMMs, attention, Triton kernels --
 ours in eager mode, Inductor's under compile --, other), and the ``--top`` kernels by total time.
 
+With ``--variants eager`` only the eager layer is profiled, e.g. to put ``--recipe block`` (``Float8BlockScaling``,
+which has no compiled path) beside delayed scaling: where the block-scaled step's extra time goes.
+
 Usage: python tools/compile_kernel_profile.py [--seq 2048 --batch 4 --hidden 4096 --ffn 16384 --heads 32]
-       [--recipe delayed|current] [--steps 5] [--top 12]
+       [--recipe delayed|current|block] [--variants eager,compile] [--steps 5] [--top 12]
 """
 import argparse
 from collections import defaultdict
@@ -59,17 +62,21 @@ def main():
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=16384)
     p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--recipe", choices=("delayed", "current"), default="delayed")
+    p.add_argument("--recipe", choices=("delayed", "current", "block"), default="delayed")
+    p.add_argument("--variants", default="eager,compile", help="comma-separated: eager, compile")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("compile_kernel_profile: needs a CUDA GPU")
-    recipe = fe.DelayedScaling() if args.recipe == "delayed" else fe.CurrentScaling()
+    recipe = {"delayed": fe.DelayedScaling, "current": fe.CurrentScaling, "block": fe.Float8BlockScaling}[args.recipe]()
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or any(v not in ("eager", "compile") for v in variants):
+        raise SystemExit(f"compile_kernel_profile: --variants takes eager and/or compile, got {args.variants!r}")
     torch.manual_seed(0)
     x = torch.randn(args.seq, args.batch, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    for name in ("eager", "compile"):
+    for name in variants:
         layer = TransformerLayer(args.hidden, args.ffn, args.heads, hidden_dropout=0.0, attention_dropout=0.0,
                                  params_dtype=torch.bfloat16, device="cuda")
         run = torch.compile(layer) if name == "compile" else layer

@@ -14,8 +14,15 @@ for E4M3 x E4M3 only): their rows show how slow that fallback is.
 Then the block cast kernels' times for x (1x128 + re-tiled transpose) and w (128x128 + transpose), in ms and GB/s
 of bytes moved. Exit status 1 if a block GEMM raised or its SQNR was below 45 dB.
 
+With ``--algos``, instead: does another of cuBLASLt's ranked algorithms run the E4M3 block-scaled fprop
+(1 x 128 x 128 x 128) and wgrad (1 x 128 x 1 x 128) faster than the one ``scaled_mm`` runs (the heuristic's first)?
+The GEMM is planned through ``ctypes`` as :mod:`fp8engine.kernels.cublaslt` plans its GEMMs, with cuBLASLt's block
+scale modes (``CUBLASLT_MATMUL_DESC_{A,B}_SCALE_MODE`` = 31 / 32, ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`` = 4,
+``..._BLK128x128_32F`` = 5: the values in CUDA 13.0's ``cublasLt.h``) and the scale tensors ``scaled_mm`` is given;
+every algorithm the heuristic returns (up to 32) is timed and its output compared with ``scaled_mm``'s.
+
 Usage: python tools/probe_block_gemm.py [--shapes 8192x4096x4096,8192x4096x16384] [--format e4m3|hybrid]
-       [--iters 20] [--rounds 3]
+       [--iters 20] [--rounds 3] [--algos]
 """
 import argparse
 import statistics
@@ -30,6 +37,7 @@ p.add_argument("--format", choices=("e4m3", "hybrid"), default="e4m3",
                help="gradient encoding: e4m3 (Float8BlockScaling default) or hybrid (E5M2 gradients)")
 p.add_argument("--iters", type=int, default=20)
 p.add_argument("--rounds", type=int, default=3)
+p.add_argument("--algos", action="store_true", help="time every ranked cuBLASLt algorithm of the block GEMMs instead")
 args = p.parse_args()
 
 
@@ -80,6 +88,87 @@ def cases(m, k, n):
         a, b = qa.data, qb.data  # per-tensor: the same FP8 bytes with unit scales (same GEMM shape and dtypes)
         yield (name, flops, lambda a=a, b=b: torch._scaled_mm(a, b.t(), ONE, ONE, out_dtype=BF16),
                lambda qa=qa, qb=qb: block_gemm(qa, qb, BF16), qa, qb)
+
+
+_A_SCALE_MODE, _B_SCALE_MODE, _VEC128_32F, _BLK128x128_32F = 31, 32, 4, 5  # cublasLt.h, CUDA 13.0
+
+
+def _scale_args(qa, qb):
+    """The scale tensors and cuBLASLt scale modes of ``a @ b.T``, as ``ops.block_gemm._scaled_mm`` passes them."""
+    sa = qa.scale_inv if qa.scale_inv.stride(0) == 1 else qa.scale_inv.t().contiguous().t()
+    if qb.block == TILE_1x128:
+        return sa, (qb.scale_inv if qb.scale_inv.stride(0) == 1 else qb.scale_inv.t().contiguous().t()), _VEC128_32F
+    nb, kb = qb.scale_inv.shape
+    sb = torch.zeros((nb, -(-kb // 4) * 4), dtype=torch.float32, device="cuda")
+    sb[:, :kb] = qb.scale_inv
+    return sa, sb, _BLK128x128_32F
+
+
+def algo_sweep():
+    """``--algos`` (module docstring): one row per (shape, GEMM, algorithm index)."""
+    import ctypes
+
+    from fp8engine.kernels import cublaslt
+
+    ctx = cublaslt._get_context()
+    if ctx is None:
+        sys.exit(f"probe_block_gemm.py --algos: {cublaslt._load_error}")
+    lib, handle = ctx.lib, ctx.handle(torch.device("cuda"))
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    workspace = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    rows = []
+    for m, k, n in SHAPES:
+        for name, flops, _, block_fn, qa, qb in cases(m, k, n):
+            if name == "dgrad":  # the fprop's kernel kind (1 x 128 x 128 x 128)
+                continue
+            sa, sb, b_mode = _scale_args(qa, qb)
+            mm, nn, kk = qa.shape[0], qb.shape[0], qa.shape[1]
+            # column-major D^T [nn, mm] = op_T(A = b [kk, nn]) @ (B = a [kk, mm]), as kernels/cublaslt.py maps it
+            desc = ctypes.c_void_p()
+            cublaslt._check(lib.MatmulDescCreate(ctypes.byref(desc), cublaslt._CUBLAS_COMPUTE_32F,
+                                                 cublaslt._CUDA_R_32F), "MatmulDescCreate")
+            attrs = [(cublaslt._DESC_TRANSA, ctypes.c_int32(cublaslt._CUBLAS_OP_T)),
+                     (cublaslt._DESC_TRANSB, ctypes.c_int32(cublaslt._CUBLAS_OP_N)),
+                     (_A_SCALE_MODE, ctypes.c_int32(b_mode)), (_B_SCALE_MODE, ctypes.c_int32(_VEC128_32F)),
+                     (cublaslt._DESC_A_SCALE_POINTER, ctypes.c_void_p(sb.data_ptr())),
+                     (cublaslt._DESC_B_SCALE_POINTER, ctypes.c_void_p(sa.data_ptr()))]
+            for attr, val in attrs:
+                cublaslt._check(lib.MatmulDescSetAttribute(desc, attr, ctypes.byref(val), ctypes.sizeof(val)),
+                                "MatmulDescSetAttribute")
+            layouts = []
+            for dtype, r, c in ((cublaslt._CUDA_R_8F_E4M3, kk, nn), (cublaslt._CUDA_R_8F_E4M3, kk, mm),
+                                (cublaslt._CUDA_R_16BF, nn, mm)):
+                lay = ctypes.c_void_p()
+                cublaslt._check(lib.MatrixLayoutCreate(ctypes.byref(lay), dtype, r, c, r), "MatrixLayoutCreate")
+                layouts.append(lay)
+            pref = ctypes.c_void_p()
+            cublaslt._check(lib.MatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
+            ws = ctypes.c_uint64(workspace.numel())
+            cublaslt._check(lib.MatmulPreferenceSetAttribute(pref, cublaslt._PREF_MAX_WORKSPACE_BYTES,
+                                                             ctypes.byref(ws), 8), "MatmulPreferenceSetAttribute")
+            results, found = (cublaslt._HeuristicResult * 32)(), ctypes.c_int(0)
+            cublaslt._check(lib.MatmulAlgoGetHeuristic(handle, desc, layouts[0], layouts[1], layouts[2], layouts[2],
+                                                       pref, 32, results, ctypes.byref(found)), "AlgoGetHeuristic")
+            ref = block_fn()
+            out = torch.empty(mm, nn, dtype=BF16, device="cuda")
+            t_torch = statistics.median(time_fn(block_fn, iters=args.iters) for _ in range(args.rounds))
+            for i in range(found.value):
+                res = results[i]
+
+                def run(res=res):
+                    cublaslt._check(lib.Matmul(handle, desc, ctypes.byref(one), qb.data.data_ptr(), layouts[0],
+                                               qa.data.data_ptr(), layouts[1], ctypes.byref(zero), out.data_ptr(),
+                                               layouts[2], out.data_ptr(), layouts[2], ctypes.byref(res.algo),
+                                               workspace.data_ptr(), int(res.workspace_size),
+                                               torch.cuda.current_stream().cuda_stream), "cublasLtMatmul")
+                run()
+                ms = statistics.median(time_fn(run, iters=args.iters) for _ in range(args.rounds))
+                rows.append({"shape": f"{m}x{k}x{n}", "gemm": name, "algo": i, "ms": ms, "TFLOP/s": flops / ms / 1e9,
+                             "scaled_mm ms": t_torch, "vs scaled_mm": ms / t_torch,
+                             "same output as scaled_mm": bool(torch.equal(out, ref))})
+    print(f"\nblock-scaled E4M3 GEMMs, every ranked cuBLASLt algorithm; torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()}")
+    print_table(rows)
 
 
 def main():
@@ -138,4 +227,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    algo_sweep() if args.algos else main()
