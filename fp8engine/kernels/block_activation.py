@@ -38,8 +38,7 @@ import torch
 from ._common import (_masked_abs, as_2d, cdiv, check_hp, check_launchable, fp8_cvt_mode, fp8_format, launch,
                       sum_partials, tl, triton)
 from .activation import _GELU, _RELU, _SWIGLU, _act_bwd_math, _act_fwd_math, _gelu_tanh, _sigmoid
-from .block_cast import (BLOCK, BLOCK_WARPS, _store_1x128_cols_t, _store_1x128_rows, _store_1x128_t,
-                         cast_1x128_reference)
+from .block_cast import BLOCK, BLOCK_WARPS, _store_1x128_rows, _store_1x128_t, cast_1x128_reference
 
 __all__ = ["act_fwd_1x128", "act_bwd_1x128", "act_fwd_1x128_reference", "act_bwd_1x128_reference", "KINDS"]
 
@@ -53,14 +52,14 @@ def _store_rows_1x128(y, offs_m, offs_n, pid_m, kb, M, M_OUT, NC, out_ptr, sinv_
                       WRITE_T: tl.constexpr):
     """Zero the padding rows (>= M) of the fp32 tile ``y`` (rows offs_m, columns offs_n of an [M_OUT, NC] matrix,
     tile column ``kb``) and store it 1 x 128-tiled; with WRITE_T also its re-tiled transpose from this register
-    tile (``block_cast._store_1x128_cols_t``: the backward, where recomputing the tile transposed costs more)."""
+    tile (``block_cast._store_1x128_t``: the backward, where recomputing the tile transposed costs more)."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < NC)
     y = tl.where(mask, y, 0.0)
     a = _masked_abs(y, mask)
     _store_1x128_rows(y, a, offs_m, offs_n, kb, M_OUT, NC, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
     if WRITE_T:
-        _store_1x128_cols_t(y, a, offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT,
-                            POW2)
+        _store_1x128_t(y, a, offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2,
+                       False)
 
 
 @triton.jit
@@ -71,7 +70,7 @@ def _store_t_1x128(yt, offs_m, offs_n, pid_m, M, M_OUT, NC, out_t_ptr, sinv_t_pt
     mask_t = (offs_n[:, None] < NC) & (offs_m[None, :] < M)
     yt = tl.where(mask_t, yt, 0.0)
     _store_1x128_t(yt, _masked_abs(yt, mask_t), offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX,
-                   IS_E4M3, CVT, POW2)
+                   IS_E4M3, CVT, POW2, True)
 
 
 @triton.jit

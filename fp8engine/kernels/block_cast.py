@@ -103,8 +103,8 @@ def _store_1x128_rows(
 
 @triton.jit
 def _store_1x128_t(
-    yt,  # fp32 [BLOCK, BLOCK] tile of y^T, i.e. y [M, K] loaded transposed: rows offs_k, columns offs_m
-    at,  # |yt| as in _store_1x128_rows
+    y,  # fp32 [BLOCK, BLOCK] tile of y [M, K]: as loaded, y^T (rows offs_k, columns offs_m) if TRANSPOSED, else y
+    a,  # |y| as in _store_1x128_rows
     offs_m,
     offs_k,
     mb,  # index of the tile row of y (offs_m // BLOCK)
@@ -116,48 +116,25 @@ def _store_1x128_t(
     IS_E4M3: tl.constexpr,
     CVT: tl.constexpr,
     POW2: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
-    """Re-tile: one scale per row of ``yt`` (a column of y over 128 rows: a 1 x 128 tile of y^T along M); store
-    y^T's bits and scales. The caller loads (or computes) the tile already transposed -- from global memory, where
-    the tile is an L2 hit after the row-major pass -- rather than transposing the register tile: on the H100 (Triton
-    3.6, bf16 (8192, 12288), E4M3) the whole 1 x 128 + transpose cast took 0.272 ms this way against 0.345 ms with
-    a column reduction and ``tl.trans`` of the quantized tile, same bytes."""
+    """Re-tile: one scale per column of y over its 128 rows (a 1 x 128 tile of y^T along M); store y^T's bits and
+    scales. TRANSPOSED: the caller loaded (or computed) the tile transposed -- from global memory, where it is an L2
+    hit after the row-major pass --, one scale per row of it. Else the row-major register tile: a column reduction,
+    and the quantized tile transposed through shared memory. On the H100 (Triton 3.6, E4M3) the 1 x 128 +
+    transpose cast of bf16 (8192, 12288) took 0.272 ms transposed-loaded against 0.345 ms from the register tile
+    (same bytes); the activation backward keeps the register tile (two inputs to re-read: 0.91 against 0.74 ms at
+    (8192, 16384) GELU)."""
     rows = offs_m.to(tl.int64)
     cols = offs_k.to(tl.int64)
-    s_col = _block_scale(tl.max(at, axis=1), FP8_MAX, POW2)
-    bt = _quantize(yt, s_col[:, None], FP8_MAX, IS_E4M3, CVT)
+    if TRANSPOSED:
+        s_col = _block_scale(tl.max(a, axis=1), FP8_MAX, POW2)
+        bt = _quantize(y, s_col[:, None], FP8_MAX, IS_E4M3, CVT)
+    else:
+        s_col = _block_scale(tl.max(a, axis=0), FP8_MAX, POW2)
+        bt = tl.trans(_quantize(y, s_col[None, :], FP8_MAX, IS_E4M3, CVT))
     mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
     tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], bt, mask=mask_t)
-    tl.store(sinv_t_ptr + mb.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(s_col) + 1.0, s_col),
-             mask=offs_k < K)
-
-
-@triton.jit
-def _store_1x128_cols_t(
-    y,  # fp32 [BLOCK, BLOCK] tile of an [M, K] matrix: rows offs_m, columns offs_k
-    a,  # |y| as in _store_1x128_rows
-    offs_m,
-    offs_k,
-    mb,  # index of this tile row (offs_m // BLOCK)
-    M,
-    K,
-    out_t_ptr,  # [K, M] FP8 bits (uint8) of the re-tiled transpose, row-major
-    sinv_t_ptr,  # [cdiv(M, 128), K] fp32: K-major storage of the [K, M/128] scale_inv_t
-    FP8_MAX: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-    CVT: tl.constexpr,
-    POW2: tl.constexpr,
-):
-    """Re-tile: one scale per column of the tile (per 1 x 128 tile of y^T along M); store y^T's bits and scales,
-    from the row-major register tile (a column reduction and a transpose of the quantized tile). Used where
-    recomputing the tile transposed costs more than this: the activation backward (two inputs; H100, (8192,
-    16384) bf16 GELU: 0.74 ms this way, 0.91 ms recomputed from dy^T and x^T); elsewhere :func:`_store_1x128_t`."""
-    rows = offs_m.to(tl.int64)
-    cols = offs_k.to(tl.int64)
-    s_col = _block_scale(tl.max(a, axis=0), FP8_MAX, POW2)
-    bt = _quantize(y, s_col[None, :], FP8_MAX, IS_E4M3, CVT)
-    mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
-    tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(bt), mask=mask_t)
     tl.store(sinv_t_ptr + mb.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(s_col) + 1.0, s_col),
              mask=offs_k < K)
 
@@ -195,7 +172,7 @@ def _block_cast_kernel(
             mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
             xt = tl.load(x_ptr + rows[None, :] * K + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
             _store_1x128_t(xt, _masked_abs(xt, mask_t), offs_m, offs_k, pid_m, M, K, out_t_ptr, sinv_t_ptr, FP8_MAX,
-                           IS_E4M3, CVT, POW2)
+                           IS_E4M3, CVT, POW2, True)
     else:
         s = _block_scale(tl.max(tl.max(a, axis=1), axis=0), FP8_MAX, POW2)
         b = _quantize(x, s, FP8_MAX, IS_E4M3, CVT)
