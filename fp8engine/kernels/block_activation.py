@@ -18,7 +18,8 @@ dtype, as the per-tensor backward kernel's (which sums per 64-row tile: the same
 One kernel per pass, one 128 x 128 output tile per program (SwiGLU's backward: the gate and the up tile of the same
 rows / columns), which writes both the tile's row scales and its column scales: x (and dy) are read from HBM once
 (the forward's transposed copy re-reads its tile transposed, from L2: see ``block_cast._store_1x128_t``; the
-backward transposes its register tile), only FP8 is written. Unfused, the activation wrote and the cast read the ``[M, F]`` (backward ``[M, D]``) intermediate.
+backward transposes its register tile), only FP8 is written. Unfused, the activation wrote and the cast read the
+``[M, F]`` (backward ``[M, D]``) intermediate.
 
 Row padding (``pad_rows``): the FP8 outputs get ``M_out = ceil(M / 128) * 128`` rows, rows ``M..`` zero (data 0,
 scale_inv 1), the layout :mod:`fp8engine.ops.block_linear` builds by zero-padding the token rows, so the wgrad GEMM's
@@ -47,7 +48,7 @@ KINDS = {"gelu": _GELU, "relu": _RELU, "swiglu": _SWIGLU}
 
 
 @triton.jit
-def _store_rows_1x128(y, offs_m, offs_n, pid_m, kb, M, M_OUT, NC, out_ptr, sinv_ptr, out_t_ptr, sinv_t_ptr,
+def _store_tile_1x128(y, offs_m, offs_n, pid_m, kb, M, M_OUT, NC, out_ptr, sinv_ptr, out_t_ptr, sinv_t_ptr,
                       FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, CVT: tl.constexpr, POW2: tl.constexpr,
                       WRITE_T: tl.constexpr):
     """Zero the padding rows (>= M) of the fp32 tile ``y`` (rows offs_m, columns offs_n of an [M_OUT, NC] matrix,
@@ -137,10 +138,10 @@ def _block_act_fwd_kernel(
     offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y = _act_fwd_tile(x_ptr, offs_m[:, None].to(tl.int64), offs_n[None, :], mask, N, ACT)
-    _store_rows_1x128(y, offs_m, offs_n, pid_m, pid_n, M, M_OUT, N, y8_ptr, sinv_ptr, y8t_ptr, sinv_t_ptr, FP8_MAX,
+    _store_tile_1x128(y, offs_m, offs_n, pid_m, pid_n, M, M_OUT, N, y8_ptr, sinv_ptr, y8t_ptr, sinv_t_ptr, FP8_MAX,
                       IS_E4M3, CVT, POW2, False)
-    if WRITE_T:  # the tile again from x read transposed (an L2 hit), for the re-tiled transpose (H100, (8192,
-        # 16384) bf16 GELU: 0.44 ms against 0.55 ms with the register tile's transpose)
+    if WRITE_T:  # the tile again from x read transposed (an L2 hit), for the re-tiled transpose (faster than the
+        # register tile's transpose: block_cast._store_1x128_t)
         mask_t = (offs_n[:, None] < N) & (offs_m[None, :] < M)
         yt = _act_fwd_tile(x_ptr, offs_m[None, :].to(tl.int64), offs_n[:, None], mask_t, N, ACT)
         _store_t_1x128(yt, offs_m, offs_n, pid_m, M, M_OUT, N, y8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
@@ -177,10 +178,10 @@ def _block_act_bwd_kernel(
         nc = 2 * N
     else:
         nc = N
-    _store_rows_1x128(dx, offs_m, offs_n, pid_m, pid_n, M, M_OUT, nc, dx8_ptr, sinv_ptr, dx8t_ptr, sinv_t_ptr,
+    _store_tile_1x128(dx, offs_m, offs_n, pid_m, pid_n, M, M_OUT, nc, dx8_ptr, sinv_ptr, dx8t_ptr, sinv_t_ptr,
                       FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T)
     if ACT == 2:
-        _store_rows_1x128(du, offs_m, offs_n + N, pid_m, pid_n + N // BLOCK, M, M_OUT, nc, dx8_ptr, sinv_ptr,
+        _store_tile_1x128(du, offs_m, offs_n + N, pid_m, pid_n + N // BLOCK, M, M_OUT, nc, dx8_ptr, sinv_ptr,
                           dx8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T)
     if HAS_DBIAS:
         part = dbias_part_ptr + pid_m.to(tl.int64) * nc

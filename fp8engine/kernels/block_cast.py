@@ -53,10 +53,11 @@ BLOCK = 128
 #: Warps per 128 x 128 tile program: 8 (256 threads, 64 fp32 values of the tile per thread): the fused norm and
 #: activation kernels. The plain cast's launch picks from ``_CAST_WARPS``.
 BLOCK_WARPS = 8
-#: (mode, transpose) -> warps of the plain block cast. One H100, torch 2.11, Triton 3.6, bf16 in, E4M3 out, 20 calls
-#: each (warps 4 / 8 / 16): 1 x 128 without the transpose of (8192, 16384) 0.207 / 0.183 / 0.147 ms; with the tile
-#: re-read transposed for the transposed copy (_store_1x128_t): 1 x 128 re-tiled of (8192, 12288) 0.317 / 0.272 /
-#: 0.287 ms, 128 x 128 of (16384, 4096) 0.198 / 0.209 / 0.150 ms (0.173 ms at 16 warps transposing the register tile).
+#: (mode, transpose) -> warps of the plain block cast. Timing probes on one H100 (torch 2.11, Triton 3.6, 2026-11-24
+#: and -26; not kept in the repository), bf16 in, E4M3 out, 20 calls each (warps 4 / 8 / 16): 1 x 128 without the
+#: transpose of (8192, 16384) 0.207 / 0.183 / 0.147 ms; with the tile re-read transposed for the transposed copy
+#: (_store_1x128_t): 1 x 128 re-tiled of (8192, 12288) 0.317 / 0.272 / 0.287 ms, 128 x 128 of (16384, 4096) 0.198 /
+#: 0.209 / 0.150 ms (0.173 ms at 16 warps transposing the register tile).
 _CAST_WARPS = {(1, True): 8, (1, False): 16, (2, True): 16, (2, False): 16}
 #: Largest finite fp32: the scale's clamp where fp8_max / amax overflows (amax a tiny subnormal).
 _F32_MAX = 3.4028234663852886e38
@@ -121,10 +122,10 @@ def _store_1x128_t(
     """Re-tile: one scale per column of y over its 128 rows (a 1 x 128 tile of y^T along M); store y^T's bits and
     scales. TRANSPOSED: the caller loaded (or computed) the tile transposed -- from global memory, where it is an L2
     hit after the row-major pass --, one scale per row of it. Else the row-major register tile: a column reduction,
-    and the quantized tile transposed through shared memory. On the H100 (Triton 3.6, E4M3) the 1 x 128 +
-    transpose cast of bf16 (8192, 12288) took 0.272 ms transposed-loaded against 0.345 ms from the register tile
-    (same bytes); the activation backward keeps the register tile (two inputs to re-read: 0.91 against 0.74 ms at
-    (8192, 16384) GELU)."""
+    and the quantized tile transposed through shared memory. A timing probe on the H100 (Triton 3.6, E4M3,
+    2026-11-26; not kept in the repository): the 1 x 128 + transpose cast of bf16 (8192, 12288) took 0.272 ms
+    transposed-loaded against 0.345 ms from the register tile (same bytes); the activation backward keeps the
+    register tile (two inputs to re-read: 0.91 against 0.74 ms at (8192, 16384) GELU)."""
     rows = offs_m.to(tl.int64)
     cols = offs_k.to(tl.int64)
     if TRANSPOSED:

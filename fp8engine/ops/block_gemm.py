@@ -21,8 +21,9 @@ Two paths with the same math, ``out[m, n] = sum_k (a.data[m, k] * a_scale_inv[m,
 
 Bias: ``block_gemm(..., bias=b)`` adds ``b [N]`` to a bf16 output inside the GEMM (cuBLASLt's epilogue, ``scaled_mm(...,
 bias=)``: the fp32 sum plus the bias rounded once; the emulation adds it in float64 before its one rounding), instead
-of a separate broadcast add over ``[M, N]`` (H100, the performance guide's layer: four such adds took 0.82 ms of a
-13.5 ms block-scaled step; fc1's GEMM ``8192x4096x16384`` 1.19 ms GEMM + add against 0.89 ms with the epilogue).
+of a separate broadcast add over ``[M, N]`` (a timing probe on the H100, 2026-11-26, not kept in the repository: in
+the performance guide's layer four such adds took 0.82 ms of a 13.5 ms block-scaled step; fc1's GEMM
+``8192x4096x16384`` 1.19 ms GEMM + add against 0.89 ms with the epilogue).
 An fp32 output gets the bias added after the GEMM (``out + bias`` in fp32), on both paths.
 
 Shapes: ``a`` ``[M, K]`` with 1 x 128 tiles; ``b`` ``[N, K]`` with 1 x 128 tiles (wgrad: ``dy^T`` x ``x^T`` re-tiled
