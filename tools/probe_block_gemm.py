@@ -115,7 +115,6 @@ def algo_sweep():
         sys.exit(f"probe_block_gemm.py --algos: {cublaslt._load_error}")
     lib, handle = ctx.lib, ctx.handle(torch.device("cuda"))
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    workspace = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     rows = []
     for m, k, n in SHAPES:
         for name, flops, _, block_fn, qa, qb in cases(m, k, n):
@@ -123,44 +122,33 @@ def algo_sweep():
                 continue
             sa, sb, b_mode = _scale_args(qa, qb)
             mm, nn, kk = qa.shape[0], qb.shape[0], qa.shape[1]
-            # column-major D^T [nn, mm] = op_T(A = b [kk, nn]) @ (B = a [kk, mm]), as kernels/cublaslt.py maps it
-            desc = ctypes.c_void_p()
-            cublaslt._check(lib.MatmulDescCreate(ctypes.byref(desc), cublaslt._CUBLAS_COMPUTE_32F,
-                                                 cublaslt._CUDA_R_32F), "MatmulDescCreate")
-            attrs = [(cublaslt._DESC_TRANSA, ctypes.c_int32(cublaslt._CUBLAS_OP_T)),
-                     (cublaslt._DESC_TRANSB, ctypes.c_int32(cublaslt._CUBLAS_OP_N)),
-                     (_A_SCALE_MODE, ctypes.c_int32(b_mode)), (_B_SCALE_MODE, ctypes.c_int32(_VEC128_32F)),
+            # column-major D^T [nn, mm] = op_T(A = b [kk, nn]) @ (B = a [kk, mm]), as kernels/cublaslt.py maps it:
+            # its plan with the block scale modes and scale pointers set, one per ranked algorithm
+            extra = ((_A_SCALE_MODE, ctypes.c_int32(b_mode)), (_B_SCALE_MODE, ctypes.c_int32(_VEC128_32F)),
                      (cublaslt._DESC_A_SCALE_POINTER, ctypes.c_void_p(sb.data_ptr())),
-                     (cublaslt._DESC_B_SCALE_POINTER, ctypes.c_void_p(sa.data_ptr()))]
-            for attr, val in attrs:
-                cublaslt._check(lib.MatmulDescSetAttribute(desc, attr, ctypes.byref(val), ctypes.sizeof(val)),
-                                "MatmulDescSetAttribute")
-            layouts = []
-            for dtype, r, c in ((cublaslt._CUDA_R_8F_E4M3, kk, nn), (cublaslt._CUDA_R_8F_E4M3, kk, mm),
-                                (cublaslt._CUDA_R_16BF, nn, mm)):
-                lay = ctypes.c_void_p()
-                cublaslt._check(lib.MatrixLayoutCreate(ctypes.byref(lay), dtype, r, c, r), "MatrixLayoutCreate")
-                layouts.append(lay)
-            pref = ctypes.c_void_p()
-            cublaslt._check(lib.MatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
-            ws = ctypes.c_uint64(workspace.numel())
-            cublaslt._check(lib.MatmulPreferenceSetAttribute(pref, cublaslt._PREF_MAX_WORKSPACE_BYTES,
-                                                             ctypes.byref(ws), 8), "MatmulPreferenceSetAttribute")
-            results, found = (cublaslt._HeuristicResult * 32)(), ctypes.c_int(0)
-            cublaslt._check(lib.MatmulAlgoGetHeuristic(handle, desc, layouts[0], layouts[1], layouts[2], layouts[2],
-                                                       pref, 32, results, ctypes.byref(found)), "AlgoGetHeuristic")
-            ref = block_fn()
+                     (cublaslt._DESC_B_SCALE_POINTER, ctypes.c_void_p(sa.data_ptr())))
+            e4 = cublaslt._CUDA_R_8F_E4M3
             out = torch.empty(mm, nn, dtype=BF16, device="cuda")
+            align = tuple(cublaslt._alignment(t.data_ptr()) for t in (qb.data, qa.data, out))
+            plans = []
+            while True:
+                try:
+                    plans.append(cublaslt._Plan(lib, handle, nn, mm, kk, e4, e4, cublaslt._CUDA_R_16BF, align, False,
+                                                len(plans), extra_attrs=extra))
+                except IndexError:  # past the heuristic's last algorithm
+                    break
+            ref = block_fn()
             t_torch = statistics.median(time_fn(block_fn, iters=args.iters) for _ in range(args.rounds))
-            for i in range(found.value):
-                res = results[i]
+            for i, plan in enumerate(plans):
+                workspace = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
 
-                def run(res=res):
-                    cublaslt._check(lib.Matmul(handle, desc, ctypes.byref(one), qb.data.data_ptr(), layouts[0],
-                                               qa.data.data_ptr(), layouts[1], ctypes.byref(zero), out.data_ptr(),
-                                               layouts[2], out.data_ptr(), layouts[2], ctypes.byref(res.algo),
-                                               workspace.data_ptr(), int(res.workspace_size),
-                                               torch.cuda.current_stream().cuda_stream), "cublasLtMatmul")
+                def run(plan=plan, workspace=workspace):
+                    cublaslt._check(lib.Matmul(handle, plan.desc, ctypes.byref(one), qb.data.data_ptr(),
+                                               plan.a_layout, qa.data.data_ptr(), plan.b_layout, ctypes.byref(zero),
+                                               out.data_ptr(), plan.c_layout, out.data_ptr(), plan.d_layout,
+                                               ctypes.byref(plan.result.algo), workspace.data_ptr(),
+                                               plan.workspace_size, torch.cuda.current_stream().cuda_stream),
+                                    "cublasLtMatmul")
                 run()
                 ms = statistics.median(time_fn(run, iters=args.iters) for _ in range(args.rounds))
                 rows.append({"shape": f"{m}x{k}x{n}", "gemm": name, "algo": i, "ms": ms, "TFLOP/s": flops / ms / 1e9,

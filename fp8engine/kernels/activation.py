@@ -98,6 +98,46 @@ def _gelu_tanh(x):
 
 
 @triton.jit
+def _act_fwd_tile(x_ptr, r, c, mask, N, ACT: tl.constexpr):
+    """The activation of the inputs at rows ``r`` (int64) and columns ``c`` of x, fp32; ``r`` / ``c`` broadcast to
+    the tile's shape, ``[:, None]`` / ``[None, :]`` for the row-major tile or the other way round for its
+    transpose (same values, element for element)."""
+    if ACT == 2:
+        g = tl.load(x_ptr + r * (2 * N) + c, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + r * (2 * N) + N + c, mask=mask, other=0.0).to(tl.float32)
+        y = g * _sigmoid(g) * u
+    else:
+        x = tl.load(x_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            y = _gelu_tanh(x)
+        else:
+            y = tl.where(x < 0.0, 0.0, x)
+    return y
+
+
+@triton.jit
+def _act_bwd_tile(dy_ptr, x_ptr, r, c, mask, N, ACT: tl.constexpr):
+    """``(dx, du)`` at rows ``r``, columns ``c`` (as :func:`_act_fwd_tile`), fp32: GELU / ReLU ``dx`` (``du`` =
+    ``dx``, unused), SwiGLU the gate and up gradients."""
+    dy = tl.load(dy_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 2:
+        g = tl.load(x_ptr + r * (2 * N) + c, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + r * (2 * N) + N + c, mask=mask, other=0.0).to(tl.float32)
+        sig = _sigmoid(g)
+        dx = dy * u * sig * (1.0 + g * (1.0 - sig))
+        du = dy * g * sig
+    else:
+        x = tl.load(x_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            s = _sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
+            dx = dy * (s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x))
+        else:
+            dx = tl.where(x > 0.0, dy, 0.0)
+        du = dx
+    return dx, du
+
+
+@triton.jit
 def _act_fwd_flat_kernel(
     x_ptr,  # [n] input, high precision, contiguous
     y_ptr,  # [n] high-precision output in x's dtype; only if WRITE_HP
@@ -163,9 +203,7 @@ def _swiglu_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     rows = offs_m[:, None].to(tl.int64)
-    g = tl.load(x_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = g * _sigmoid(g) * u
+    y = _act_fwd_tile(x_ptr, rows, offs_n[None, :], mask, N, 2)
     if WRITE_HP:
         yh = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows * N + offs_n[None, :], yh, mask=mask)
@@ -207,39 +245,27 @@ def _act_bwd_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    rows = offs_m[:, None].to(tl.int64)
-    dy = tl.load(dy_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    dx, du = _act_bwd_tile(dy_ptr, x_ptr, offs_m[:, None].to(tl.int64), offs_n[None, :], mask, N, ACT)
     scale = 1.0
     if IS_FP8:
         scale = tl.load(scale_ptr)
-    if ACT == 2:  # SwiGLU: dx = [dg | du], row length 2N
+    if ACT == 2:  # SwiGLU: dx = [dg | du] (dx holds the gate's gradient), row length 2N
         part = dbias_part_ptr + pid_m.to(tl.int64) * (2 * N)
-        g = tl.load(x_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        sig = _sigmoid(g)
-        dg = dy * u * sig * (1.0 + g * (1.0 - sig))
-        du = dy * g * sig
-        _store_tile(dg, offs_m, offs_n, M, 2 * N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, CVT,
+        _store_tile(dx, offs_m, offs_n, M, 2 * N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, CVT,
                     IS_FP8, IS_FP8)  # fmt: skip
         _store_tile(du, offs_m, offs_n + N, M, 2 * N, 2 * N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, CVT,
                     IS_FP8, IS_FP8)  # fmt: skip
-        tl.store(part + offs_n, tl.sum(dg, axis=0), mask=offs_n < N)
+        tl.store(part + offs_n, tl.sum(dx, axis=0), mask=offs_n < N)
         tl.store(part + N + offs_n, tl.sum(du, axis=0), mask=offs_n < N)
         if HAS_AMAX:
             if IS_FP8:
-                tl.atomic_max(amax_ptr, tl.maximum(_abs_max(dg, mask), _abs_max(du, mask)))
+                tl.atomic_max(amax_ptr, tl.maximum(_abs_max(dx, mask), _abs_max(du, mask)))
             else:  # the amax of the values written in dx's dtype (what a cast of them scales by)
-                dg_w = dg.to(dx_ptr.dtype.element_ty).to(tl.float32)
+                dg_w = dx.to(dx_ptr.dtype.element_ty).to(tl.float32)
                 du_w = du.to(dx_ptr.dtype.element_ty).to(tl.float32)
                 tl.atomic_max(amax_ptr, tl.maximum(_abs_max(dg_w, mask), _abs_max(du_w, mask)))
     else:
         part = dbias_part_ptr + pid_m.to(tl.int64) * N
-        x = tl.load(x_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            s = _sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
-            dx = dy * (s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x))
-        else:
-            dx = tl.where(x > 0.0, dy, 0.0)
         _store_tile(dx, offs_m, offs_n, M, N, N, dx_ptr, dx_t_ptr, scale, FP8_MAX, IS_E4M3, CVT,
                     IS_FP8, IS_FP8)  # fmt: skip
         tl.store(part + offs_n, tl.sum(dx, axis=0), mask=offs_n < N)

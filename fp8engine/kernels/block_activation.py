@@ -38,7 +38,7 @@ import torch
 
 from ._common import (_masked_abs, as_2d, cdiv, check_hp, check_launchable, fp8_cvt_mode, fp8_format, launch,
                       sum_partials, tl, triton)
-from .activation import _GELU, _RELU, _SWIGLU, _act_bwd_math, _act_fwd_math, _gelu_tanh, _sigmoid
+from .activation import _GELU, _RELU, _SWIGLU, _act_bwd_math, _act_bwd_tile, _act_fwd_math, _act_fwd_tile
 from .block_cast import BLOCK, BLOCK_WARPS, _store_1x128_rows, _store_1x128_t, cast_1x128_reference
 
 __all__ = ["act_fwd_1x128", "act_bwd_1x128", "act_fwd_1x128_reference", "act_bwd_1x128_reference", "KINDS"]
@@ -72,46 +72,6 @@ def _store_t_1x128(yt, offs_m, offs_n, pid_m, M, M_OUT, NC, out_t_ptr, sinv_t_pt
     yt = tl.where(mask_t, yt, 0.0)
     _store_1x128_t(yt, _masked_abs(yt, mask_t), offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX,
                    IS_E4M3, CVT, POW2, True)
-
-
-@triton.jit
-def _act_fwd_tile(x_ptr, r, c, mask, N, ACT: tl.constexpr):
-    """The activation of the inputs at rows ``r`` (int64) and columns ``c`` of x, fp32; ``r`` / ``c`` broadcast to
-    the tile's shape, ``[:, None]`` / ``[None, :]`` for the row-major tile or the other way round for its
-    transpose (same values, element for element)."""
-    if ACT == 2:
-        g = tl.load(x_ptr + r * (2 * N) + c, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + r * (2 * N) + N + c, mask=mask, other=0.0).to(tl.float32)
-        y = g * _sigmoid(g) * u
-    else:
-        x = tl.load(x_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            y = _gelu_tanh(x)
-        else:
-            y = tl.where(x < 0.0, 0.0, x)
-    return y
-
-
-@triton.jit
-def _act_bwd_tile(dy_ptr, x_ptr, r, c, mask, N, ACT: tl.constexpr):
-    """``(dx, du)`` at rows ``r``, columns ``c`` (as :func:`_act_fwd_tile`), fp32: GELU / ReLU ``dx`` (``du`` =
-    ``dx``, unused), SwiGLU the gate and up gradients."""
-    dy = tl.load(dy_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 2:
-        g = tl.load(x_ptr + r * (2 * N) + c, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + r * (2 * N) + N + c, mask=mask, other=0.0).to(tl.float32)
-        sig = _sigmoid(g)
-        dx = dy * u * sig * (1.0 + g * (1.0 - sig))
-        du = dy * g * sig
-    else:
-        x = tl.load(x_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            s = _sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
-            dx = dy * (s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x))
-        else:
-            dx = tl.where(x > 0.0, dy, 0.0)
-        du = dx
-    return dx, du
 
 
 @triton.jit

@@ -125,12 +125,14 @@ class _Plan:
     Column-major sizes: ``D [m, n] (+)= op_T(A [k, m]) @ B [k, n]``; ``align`` = byte alignments of A, B and C = D.
     ``epilogue`` is a cublasLtEpilogue_t; with ``_EPILOGUE_GELU_AUX_BIAS`` the bias and the aux output are of
     ``hp_type`` (aux ``[m, n]``, leading dim m) and D is FP8, whose C layout must be ``hp_type`` too (C is not read:
-    beta = 0, passed as NULL).
+    beta = 0, passed as NULL). ``extra_attrs``: more ``(cublasLtMatmulDescAttributes_t, ctypes value)`` pairs set on
+    the descriptor before the heuristic is asked (``tools/probe_block_gemm.py --algos``: the block scale modes and
+    their scale pointers).
     """
 
     def __init__(self, lib: _Lib, handle: ctypes.c_void_p, m: int, n: int, k: int, a_type: int, b_type: int,
                  d_type: int, align: tuple, fast_accum: bool, algo_index: int, epilogue: int = _EPILOGUE_DEFAULT,
-                 hp_type: Optional[int] = None):
+                 hp_type: Optional[int] = None, extra_attrs: tuple = ()):
         self.desc = ctypes.c_void_p()
         _check(lib.MatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
         attrs = [(_DESC_TRANSA, ctypes.c_int32(_CUBLAS_OP_T)), (_DESC_TRANSB, ctypes.c_int32(_CUBLAS_OP_N)),
@@ -139,7 +141,7 @@ class _Plan:
             attrs += [(_DESC_EPILOGUE, ctypes.c_uint32(epilogue)), (_DESC_BIAS_DATA_TYPE, ctypes.c_int32(hp_type)),
                       (_DESC_EPILOGUE_AUX_DATA_TYPE, ctypes.c_int32(hp_type)),
                       (_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))]
-        for attr, val in attrs:
+        for attr, val in (*attrs, *extra_attrs):
             _check(lib.MatmulDescSetAttribute(self.desc, attr, ctypes.byref(val), ctypes.sizeof(val)),
                    "MatmulDescSetAttribute")
         self.a_layout, self.b_layout, self.d_layout = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
