@@ -101,17 +101,17 @@ def fp8_cvt_mode(tiled_transpose: bool = False) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 #: ``FP8ENGINE_FAST_LAUNCH=0`` sends every launch through Triton's own ``kernel[grid](...)`` (read at import).
 FAST_LAUNCH = os.environ.get("FP8ENGINE_FAST_LAUNCH", "1") != "0"
-#: (kernel, device, meta, per-argument specialization) -> (run, function, packed_metadata, trailing constexprs), or
-#: False where the kernel's signature does not allow the direct call (see :func:`_direct_entry`).
+#: (id(kernel), device, meta, per-argument specialization) -> (kernel, run, function, packed_metadata, trailing
+#: constexprs), or False where the kernel's signature does not allow the direct call (see :func:`_direct_entry`).
 _LAUNCHES: dict = {}
 _INT32 = (-(2**31), 2**31 - 1)
+_Tensor = torch.Tensor
 
 
 def _arg_key(a) -> tuple:
-    """What Triton specializes a launch argument on: a tensor's dtype and 16-byte alignment of its pointer; an
-    int's value 1, divisibility by 16 and 32-bit range; else the type (and value, for bools and None)."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
+    """What Triton specializes a non-tensor launch argument on: an int's value 1, divisibility by 16 and 32-bit
+    range; else the type (and value, for bools and None). (Tensors: their dtype and the 16-byte alignment of their
+    pointer, computed inline in :func:`launch`.)"""
     if isinstance(a, bool) or a is None:
         return (a,)
     if isinstance(a, int):
@@ -169,17 +169,23 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
         kernel[grid](*args, **meta)
         return
     device = torch._C._cuda_getDevice()  # the device Triton launches on (torch.cuda.current_device())
-    key = (kernel, device, tuple(meta.items()), tuple(map(_arg_key, args)))
+    # one pass over the arguments: the specialization key and, for the direct call, each tensor as its pointer
+    # (the launcher takes an int for a pointer argument and skips its own data_ptr() call). The kernel is keyed by
+    # id (JITFunction's __hash__ is Python code) and checked by identity on a hit (an id can be reused).
+    ptrs = [a.data_ptr() if isinstance(a, _Tensor) else a for a in args]
+    key = (id(kernel), device, tuple(meta.items()),
+           tuple([(a.dtype, not p & 15) if isinstance(a, _Tensor) else _arg_key(a) for a, p in zip(args, ptrs)]))
     hit = _LAUNCHES.get(key)
-    if not hit:
+    if not hit or hit[0] is not kernel:
         compiled = kernel[grid](*args, **meta)
-        if hit is None:
-            _LAUNCHES[key] = _direct_entry(kernel, compiled, len(args), meta)
+        if hit is None or (hit and hit[0] is not kernel):
+            entry = _direct_entry(kernel, compiled, len(args), meta)
+            _LAUNCHES[key] = entry and (kernel, *entry)
         return
-    run, function, packed, tail = hit
+    _, run, function, packed, tail = hit
     n = len(grid)
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
-        function, packed, None, None, None, *args, *tail)
+        function, packed, None, None, None, *ptrs, *tail)
 
 
 # ----------------------------------------------------------------------------------------------------------------

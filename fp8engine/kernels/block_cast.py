@@ -20,8 +20,13 @@ their layouts (the ones ``torch.nn.functional.scaled_mm``'s block-wise recipes t
     ``scale_inv.t()`` (contiguous).
 Dims need not be multiples of 128 here (edge tiles are partial); the GEMMs require them (``ops/block_gemm.py``).
 
-Layers: ``@triton.jit`` kernel ``_block_cast_kernel`` -> launchers ``cast_1x128`` / ``cast_128x128`` (checks,
-grid) and the plain-PyTorch ``cast_1x128_reference`` / ``cast_128x128_reference``, same signatures, same bits.
+``cast_1x128_dbias`` (a gradient's cast) also returns the bias gradient ``dy.sum(0)`` from the same pass (per-tile
+fp32 column sums, then a fixed-order sum over the tiles), in place of a separate reduction over the high-precision
+gradient.
+
+Layers: ``@triton.jit`` kernel ``_block_cast_kernel`` -> launchers ``cast_1x128`` / ``cast_1x128_dbias`` /
+``cast_128x128`` (checks, grid) and the plain-PyTorch ``*_reference`` functions, same signatures, same bits (the
+bias gradient: the same fp32 sums in another order).
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ from ._common import (
     fp8_cvt_mode,
     fp8_format,
     launch,
+    sum_partials,
     tl,
     triton,
 )
 
-__all__ = ["BLOCK", "cast_1x128", "cast_1x128_reference", "cast_128x128", "cast_128x128_reference",
-           "block_scale_reference"]
+__all__ = ["BLOCK", "cast_1x128", "cast_1x128_reference", "cast_1x128_dbias", "cast_1x128_dbias_reference",
+           "cast_128x128", "cast_128x128_reference", "block_scale_reference"]
 
 #: Tile length of 1 x 128 tiles and side of 128 x 128 blocks (Float8BlockScaling.BLOCK_SIZE; the sm_90 block-wise
 #: GEMM's granularity). Each program handles one 128 x 128 tile of x: its rows give 128 1 x 128 scales, its columns
@@ -148,6 +154,7 @@ def _block_cast_kernel(
     #            MODE 2: [cdiv(M,128), cdiv(K,128)] fp32 row-major
     out_t_ptr,  # [K, M] FP8 bits (uint8) of the (re-tiled in MODE 1) transpose; only if WRITE_T
     sinv_t_ptr,  # MODE 1 and WRITE_T: [cdiv(M,128), K] fp32 (K-major storage of the [K, M/128] scale_inv_t)
+    dbias_part_ptr,  # MODE 1 and HAS_DBIAS: [cdiv(M,128), K] fp32 column sums of each 128-row tile of x
     M,
     K,
     FP8_MAX: tl.constexpr,
@@ -157,6 +164,7 @@ def _block_cast_kernel(
     MODE: tl.constexpr,  # 1: 1 x 128 tiles along K; 2: 128 x 128 blocks
     WRITE_T: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_DBIAS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -169,6 +177,8 @@ def _block_cast_kernel(
     a = _masked_abs(x, mask)
     if MODE == 1:
         _store_1x128_rows(x, a, offs_m, offs_k, pid_k, M, K, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
+        if HAS_DBIAS:  # the bias gradient's first stage (masked lanes loaded as 0)
+            tl.store(dbias_part_ptr + pid_m.to(tl.int64) * K + cols, tl.sum(x, axis=0), mask=offs_k < K)
         if WRITE_T:  # the same tile read again, transposed (see _store_1x128_t)
             mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
             xt = tl.load(x_ptr + rows[None, :] * K + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
@@ -192,7 +202,8 @@ def _check(x: torch.Tensor, fp8_dtype: torch.dtype, op: str) -> tuple[float, boo
     return fp8_format(fp8_dtype, op)
 
 
-def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: bool, transpose: bool, mode: int, op: str):
+def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: bool, transpose: bool, mode: int, op: str,
+            dbias: bool = False):
     fp8_max, is_e4m3 = _check(x, fp8_dtype, op)
     x2 = as_2d(x)
     m, k = x2.shape
@@ -205,15 +216,20 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: bool, transp
         sinv_buf = torch.empty((mb, kb), dtype=torch.float32, device=dev)
     data_t = torch.empty((k, m), dtype=fp8_dtype, device=dev) if transpose else None
     sinv_t_buf = torch.empty((mb, k), dtype=torch.float32, device=dev) if transpose and mode == _MODE_1X128 else None
+    parts = torch.empty((mb, k), dtype=torch.float32, device=dev) if dbias else None
     if m and k:
         u8 = data.view(torch.uint8)
         launch(_block_cast_kernel, (mb, kb),
             x2, u8, sinv_buf, data_t.view(torch.uint8) if transpose else u8,
-            sinv_t_buf if sinv_t_buf is not None else sinv_buf, m, k,
+            sinv_t_buf if sinv_t_buf is not None else sinv_buf, parts if dbias else sinv_buf, m, k,
             FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=True), POW2=bool(power_2_scale),
-            MODE=mode, WRITE_T=transpose, BLOCK=BLOCK, num_warps=_CAST_WARPS[mode, bool(transpose)])
+            MODE=mode, WRITE_T=transpose, BLOCK=BLOCK, HAS_DBIAS=dbias,
+            num_warps=_CAST_WARPS[mode, bool(transpose)])
     if mode == _MODE_1X128:
-        return data, sinv_buf.t(), data_t, (sinv_t_buf.t() if transpose else None)
+        out = (data, sinv_buf.t(), data_t, (sinv_t_buf.t() if transpose else None))
+        if dbias:  # m = 0: no tile summed; zeros
+            out += (sum_partials(parts, x.dtype) if m else torch.zeros(k, dtype=x.dtype, device=dev),)
+        return out
     return data, sinv_buf, data_t, (sinv_buf.t().contiguous() if transpose else None)
 
 
@@ -229,6 +245,23 @@ def cast_1x128(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool =
         not launchable on its device (use :func:`cast_1x128_reference`). RuntimeError: Triton missing.
     """
     return _launch(x, fp8_dtype, power_2_scale, transpose, _MODE_1X128, "cast_1x128")
+
+
+def cast_1x128_dbias(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool = True,
+                     transpose: bool = True):
+    """:func:`cast_1x128` of a gradient ``dy`` ([*, N] viewed as [M, N]) that also returns its bias gradient, the
+    column sums ``dy.sum(0)``, from the same pass: each program sums its 128 x 128 tile's columns in fp32 into a
+    ``[ceil(M/128), N]`` buffer, reduced over the tiles by :func:`~fp8engine.kernels._common.sum_partials` (fixed
+    order, no atomics: deterministic) and rounded once to x's dtype. Saves the separate ``dy.sum(0)`` pass over the
+    high-precision gradient.
+
+    Returns:
+        ``(data, scale_inv, data_t, scale_inv_t, dbias)``: the four outputs of :func:`cast_1x128` and ``dbias [N]``
+        in x's dtype (fp32 sums; they differ from ``dy.sum(0, dtype=torch.float32)`` only in summation order).
+    Raises:
+        as :func:`cast_1x128`.
+    """
+    return _launch(x, fp8_dtype, power_2_scale, transpose, _MODE_1X128, "cast_1x128_dbias", dbias=True)
 
 
 def cast_128x128(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool = True, transpose: bool = False):
@@ -299,6 +332,14 @@ def cast_1x128_reference(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_sca
                          transpose: bool = False):
     """Plain-PyTorch :func:`cast_1x128` (same outputs, bits and scale layouts)."""
     return _reference(x, fp8_dtype, power_2_scale, transpose, 1)
+
+
+def cast_1x128_dbias_reference(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool = True,
+                               transpose: bool = True):
+    """Plain-PyTorch :func:`cast_1x128_dbias`: :func:`cast_1x128_reference` and ``x.sum(0)`` in fp32 rounded to x's
+    dtype (another summation order than the kernel's)."""
+    x2 = as_2d(x)
+    return (*_reference(x, fp8_dtype, power_2_scale, transpose, 1), x2.sum(0, dtype=torch.float32).to(x.dtype))
 
 
 def cast_128x128_reference(x: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool = True,

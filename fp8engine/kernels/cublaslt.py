@@ -285,7 +285,8 @@ def _launch(a, a_scale_inv, b, b_scale_inv, out, *, accumulate: bool, fast_accum
            align, bool(fast_accum), algo_index, epilogue, hp_type)
     lib, handle = ctx.lib, ctx.handle(out.device)
     # cuBLASLt launches on the current device: make it out's (autograd's backward threads already have it current)
-    guard = nullcontext() if torch.cuda.current_device() == out.device.index else torch.cuda.device(out.device)
+    index = out.device.index
+    guard = nullcontext() if torch._C._cuda_getDevice() == index else torch.cuda.device(index)
     with ctx.lock, guard:
         plan = ctx.plans.get(key)
         if plan is None:
@@ -306,7 +307,8 @@ def _launch(a, a_scale_inv, b, b_scale_inv, out, *, accumulate: bool, fast_accum
                           plan.b_layout, ctypes.byref(ctx.one if accumulate else ctx.zero),
                           out_ptr if plan.c_is_d else None, plan.c_layout, out_ptr, plan.d_layout,
                           ctypes.byref(plan.result.algo), None if workspace is None else workspace.data_ptr(),
-                          plan.workspace_size, torch.cuda.current_stream(out.device).cuda_stream), "cublasLtMatmul")
+                          plan.workspace_size, torch._C._cuda_getCurrentRawStream(index)),  # current stream
+               "cublasLtMatmul")
 
 
 def _require_context(what: str) -> None:

@@ -5,7 +5,8 @@
     wgrad: dw = dy.T @ x     dy^T and x^T re-tiled: 1 x 128 tiles along the token dim M
 Every scale is computed just in time from its own tile's amax (no history, nothing recorded); each operand is cast
 once, its transposed (re-tiled) copy written by the same kernel pass. The bias is added by the fprop GEMM
-(:func:`~fp8engine.ops.block_gemm.block_gemm`'s ``bias``); its gradient is ``dy.sum(0)`` in fp32.
+(:func:`~fp8engine.ops.block_gemm.block_gemm`'s ``bias``); its gradient is ``dy.sum(0)`` in fp32, from the pass that
+casts dy (:meth:`~fp8engine.fp8.block_quantizer.BlockQuantizer.quantize_dbias`).
 Forward tensors are cast to ``recipe.fp8_format.fwd``, gradients to ``.bwd`` (E4M3, or E5M2 with HYBRID). The
 casts are done by the GEMM's :class:`~fp8engine.fp8.quantizer.LinearQuantizers` of
 :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer` objects (what ``FP8Module.fp8_begin()`` returns under the
@@ -96,8 +97,13 @@ class BlockLinearFunction(torch.autograd.Function):
         if dy2.dtype not in BLOCK_DTYPES:
             dy2 = dy2.float()
         dx = dw = dbias = None
+        need_db = ctx.needs_input_grad[2]
         if qx_t is not None or qw_t is not None:
-            qdy, qdy_t = grad_q.quantize(_pad_rows(dy2, pad), transpose=qx_t is not None)
+            if need_db:  # the bias gradient from the cast's pass (padding rows are zeros: they add nothing)
+                qdy, qdy_t, dbias = grad_q.quantize_dbias(_pad_rows(dy2, pad), transpose=qx_t is not None)
+                dbias = dbias.to(weight.dtype)
+            else:
+                qdy, qdy_t = grad_q.quantize(_pad_rows(dy2, pad), transpose=qx_t is not None)
             if qw_t is not None:  # dgrad: [M, N] x [K, N] -> [M, K]
                 dx = block_gemm(qdy, qw_t, x_dtype, use_hw=use_hw)
                 dx = (dx[:dx.shape[0] - pad] if pad else dx).reshape(x_shape)
@@ -106,7 +112,7 @@ class BlockLinearFunction(torch.autograd.Function):
                     main_grad_of(weight).add_(block_gemm(qdy_t, qx_t, torch.float32, use_hw=use_hw))
                 else:
                     dw = block_gemm(qdy_t, qx_t, weight.dtype, use_hw=use_hw)
-        if ctx.needs_input_grad[2]:
+        elif need_db:
             dbias = dy2.sum(0, dtype=torch.float32).to(weight.dtype)
         return dx, dw, dbias, None, None, None, None, None
 

@@ -110,12 +110,17 @@ class _BlockMLP(torch.autograd.Function):
         if dy2.dtype not in BLOCK_DTYPES:
             dy2 = dy2.float()
         m = dy2.shape[0]
-        db2 = dy2.sum(0, dtype=torch.float32).to(w2.dtype) if need_b2 else None
-        dx = dw1 = db1 = dw2 = None
+        dx = dw1 = db1 = dw2 = db2 = None
         if qa_t is None and qw2_t is None:
+            db2 = dy2.sum(0, dtype=torch.float32).to(w2.dtype) if need_b2 else None
             return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None
-        # fc2: cast dy, dgrad da = dy @ W2, wgrad dW2 = dy.T @ a
-        qdy, qdy_t = grad_q2.quantize(F.pad(dy2, (0, 0, 0, pad)) if pad else dy2, transpose=qa_t is not None)
+        # fc2: cast dy (with fc2's bias gradient from the same pass), dgrad da = dy @ W2, wgrad dW2 = dy.T @ a
+        dy2p = F.pad(dy2, (0, 0, 0, pad)) if pad else dy2
+        if need_b2:
+            qdy, qdy_t, db2 = grad_q2.quantize_dbias(dy2p, transpose=qa_t is not None)
+            db2 = db2.to(w2.dtype)
+        else:
+            qdy, qdy_t = grad_q2.quantize(dy2p, transpose=qa_t is not None)
         if qa_t is not None:
             dw2 = _wgrad(qdy_t, qa_t, w2, fuse)
         if qw2_t is not None:

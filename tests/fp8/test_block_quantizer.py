@@ -56,6 +56,38 @@ def test_quantize_is_quantize_block(block):
     assert none is None and torch.equal(only.data.view(torch.uint8), want.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])  # True: the Triton kernel (the interpreter on the CPU)
+def test_quantize_dbias_is_quantize_and_the_column_sums(use_kernel):
+    """``quantize_dbias``: the casts are ``quantize``'s, bit for bit, and the bias gradient the fp32 column sums of
+    dy rounded once (the reference path: exactly torch's sum; the kernel: another fp32 summation order, within one
+    bf16 ulp of it). The 3-D input is viewed as [M, N]."""
+    if use_kernel and not torch.cuda.is_available():
+        pytest.importorskip("triton")
+    dev = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"
+    dy = (torch.randn(2, 128, 384) * torch.logspace(-2, 2, 384)).to(torch.bfloat16).to(dev)
+    q = BlockQuantizer(E5M2, TILE_1x128, use_kernel=use_kernel)
+    got, got_t, db = q.quantize_dbias(dy, transpose=True)
+    want, want_t = q.quantize(dy, transpose=True)
+    for a, b in ((got, want), (got_t, want_t)):
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale_inv, b.scale_inv)
+    ref = dy.reshape(-1, 384).sum(0, dtype=torch.float32).to(torch.bfloat16)
+    assert db.dtype == torch.bfloat16 and db.shape == (384,)
+    if use_kernel:
+        assert torch.allclose(db.float(), ref.float(), rtol=2 ** -7, atol=0)  # one bf16 ulp (8 mantissa bits)
+    else:
+        assert torch.equal(db, ref)
+    only, none, db2 = q.quantize_dbias(dy, transpose=False)
+    assert none is None and torch.equal(only.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(db2, db)
+
+
+def test_quantize_dbias_errors():
+    with pytest.raises(ValueError, match="1 x 128"):
+        BlockQuantizer(E4M3, BLOCK_128x128, role="weight").quantize_dbias(torch.randn(128, 128))
+    with pytest.raises(TypeError, match="dtype"):
+        BlockQuantizer(E4M3, TILE_1x128, use_kernel=True).quantize_dbias(torch.randn(128, 128, dtype=torch.float64))
+
+
 def test_bad_block():
     with pytest.raises(ValueError, match="block must be"):
         BlockQuantizer(E4M3, (128, 1))

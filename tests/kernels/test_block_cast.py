@@ -7,6 +7,8 @@ import torch
 from fp8engine.kernels.block_cast import (
     BLOCK,
     cast_1x128,
+    cast_1x128_dbias,
+    cast_1x128_dbias_reference,
     cast_1x128_reference,
     cast_128x128,
     cast_128x128_reference,
@@ -68,6 +70,40 @@ def test_special_tiles(device, cast, reference, dtype):
         assert sinv[0, 0] == 1 and sinv[5, 1] == 1 and sinv[140, 0] == 1
     else:
         assert sinv[0, 0] == 1 and sinv[0, 1] == 1 and sinv[1, 0] == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (3, 70, 130)])
+def test_dbias_cast_matches_reference(device, dtype, shape):
+    """cast_1x128_dbias: the four outputs bit for bit those of cast_1x128 (so of the reference), and the column sums
+    of x. The kernel sums each 128-row tile in fp32 then the tiles (another order than torch's sum), so against the
+    float64 sum the fp32 result is off by a few fp32 ulps of the sum of |x| (bound: 1e-6 of it, ~8 ulps), and after
+    rounding to bf16 by at most one bf16 ulp of the result (compared with the bf16 reference: both round the same
+    fp32 value up to that error)."""
+    x = _data(shape, dtype, seed=4)
+    for transpose in (False, True):
+        got = cast_1x128_dbias(x.to(device), torch.float8_e4m3fn, transpose=transpose)
+        want = cast_1x128_dbias_reference(x, torch.float8_e4m3fn, transpose=transpose)
+        _assert_same(got[:4], want[:4], torch.float8_e4m3fn)
+        _assert_same(got[:4], cast_1x128(x.to(device), torch.float8_e4m3fn, transpose=transpose),
+                     torch.float8_e4m3fn)
+        db = got[4].cpu()
+        assert db.dtype == dtype and db.shape == (shape[-1],)
+        x2 = x.reshape(-1, shape[-1]).double()
+        exact, mag = x2.sum(0), x2.abs().sum(0)
+        if dtype == torch.float32:
+            assert torch.all((db.double() - exact).abs() <= 1e-6 * mag + 1e-30)
+        else:
+            ulp = torch.finfo(torch.bfloat16).eps * want[4].double().abs()
+            assert torch.all((db.double() - want[4].double()).abs() <= ulp + 1e-6 * mag)
+
+
+def test_dbias_cast_of_no_rows():
+    """M = 0: no tile is summed; the bias gradient is zeros (and the casts are empty)."""
+    x = torch.empty((0, 256), dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+    out = cast_1x128_dbias(x, torch.float8_e4m3fn)
+    assert out[0].shape == (0, 256) and torch.equal(out[4].cpu(), torch.zeros(256, dtype=torch.bfloat16))
 
 
 def test_scale_layouts():

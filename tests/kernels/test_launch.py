@@ -62,9 +62,24 @@ def test_first_launch_through_triton_then_direct(fake_gpu):
     assert len(k.triton) == 1 and k.compiled.direct == []
     common.launch(k, (5, 2), x, 96, BLOCK=128, num_warps=4)  # same specialization: 96 and 48 both divide by 16
     assert len(k.triton) == 1
-    # grid padded to 3-D, the current stream, no launch metadata or hooks, the arguments then the constexpr values
-    # (the passed BLOCK, FLAG's default) in parameter order
-    assert k.compiled.direct == [(5, 2, 1, 1234, "fn", "meta", None, None, None, x, 96, 128, False)]
+    # grid padded to 3-D, the current stream, no launch metadata or hooks, the arguments (a tensor as its pointer)
+    # then the constexpr values (the passed BLOCK, FLAG's default) in parameter order
+    assert k.compiled.direct == [(5, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), 96, 128, False)]
+
+
+def test_cached_entry_of_another_kernel_with_the_same_id_is_not_used(fake_gpu):
+    """The cache keys kernels by id; an entry whose kernel is another object (an id reused after the first kernel
+    was freed) must not launch: the launch goes through Triton and replaces the entry."""
+    k, other = _kernel(), _kernel()
+    x = torch.zeros(64)
+    common.launch(other, (1,), x, 48, BLOCK=128)
+    (key, entry), = common._LAUNCHES.items()
+    common._LAUNCHES.clear()
+    common._LAUNCHES[(id(k),) + key[1:]] = entry  # as if ``other`` had had k's id
+    common.launch(k, (1,), x, 48, BLOCK=128)
+    assert len(k.triton) == 1 and other.compiled.direct == []
+    common.launch(k, (1,), x, 48, BLOCK=128)  # the replaced entry is k's own
+    assert len(k.triton) == 1 and len(k.compiled.direct) == 1
 
 
 @pytest.mark.parametrize("second", [
