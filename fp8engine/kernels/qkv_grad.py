@@ -34,9 +34,15 @@ verified for this kernel: the in-tile fp32 summation order of ``tl.sum`` follows
 picks, which the gathered loads may change (dbias could then differ from cast_transpose_dbias in its last bit), and
 the hardware conversion path (cast.py verified it bit-exact only inside its own kernel).
 
-Layers: ``_qkv_grad_cast_transpose_kernel`` -> launcher ``qkv_grad_cast_transpose_dbias`` (checks, grid); the
-plain-PyTorch ``qkv_grad_cast_transpose_dbias_reference`` and ``assemble_qkv_grad`` (the [s, b, C] buffer, for the
-non-kernel path; a None gradient is zero there).
+Block scaling (``Float8BlockScaling``): ``qkv_grad_1x128`` gathers the same tiles (``_gather_qkv_grad``, shared by
+both kernels) and writes them 1 x 128-tiled with the re-tiled transpose and the bias partials, as
+``block_cast.cast_1x128_dbias`` does on the assembled buffer with its rows zero-padded to a multiple of 128: the same
+bits and scales without the three copies into that buffer (tested bit-exact against the reference under
+TRITON_INTERPRET=1 and on the GPU).
+
+Layers: ``_qkv_grad_cast_transpose_kernel`` / ``_qkv_grad_1x128_kernel`` -> launchers
+``qkv_grad_cast_transpose_dbias`` / ``qkv_grad_1x128`` (checks, grid); the plain-PyTorch ``*_reference`` functions
+and ``assemble_qkv_grad`` (the [s, b, C] buffer, for the non-kernel path; a None gradient is zero there).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import torch
 from ._common import (
     HP_DTYPES,
     _abs_max,
+    _masked_abs,
     _round_to,
     _store_tile,
     _write_scale_inv,
@@ -60,14 +67,70 @@ from ._common import (
     tl,
     triton,
 )
+from .block_cast import BLOCK, BLOCK_WARPS, _store_1x128_rows, _store_1x128_t, cast_1x128_reference
 from .cast import TILE_M, TILE_N, TILE_WARPS, _hw_cvt_ok, cast_transpose_dbias, cast_transpose_dbias_reference
 from .rotary import check_rope_table
 
 __all__ = [
     "assemble_qkv_grad",
+    "qkv_grad_1x128",
+    "qkv_grad_1x128_reference",
     "qkv_grad_cast_transpose_dbias",
     "qkv_grad_cast_transpose_dbias_reference",
 ]
+
+
+@triton.jit
+def _gather_qkv_grad(
+    dq_ptr, dk_ptr, dv_ptr,  # as in _qkv_grad_cast_transpose_kernel
+    offs_m,  # [BLOCK_M] rows of the [T, C] gradient (row r = (r // B, r % B))
+    offs_n,  # [BLOCK_N] columns
+    mask,  # [BLOCK_M, BLOCK_N] the in-range elements (others load as 0)
+    B,
+    sq_s, sq_b, sq_g, sq_h, sq_d, sk_s, sk_b, sk_g, sk_d, sv_s, sv_b, sv_g, sv_d,
+    cos_ptr, sin_ptr,
+    HPG: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CVT: tl.constexpr,
+    R: tl.constexpr,
+):  # fmt: skip
+    """The ``[BLOCK_M, BLOCK_N]`` tile of the assembled gradient (module docstring), gathered from dq, dk, dv (with
+    the rotation's gradient where ``R`` > 0), in dq's dtype; masked-off elements 0."""
+    # row -> (s_idx, b_idx); column -> (gi, slot, dd) of [g, HPG + 2, HEAD_DIM]; offsets in int64
+    s_idx = (offs_m // B).to(tl.int64)
+    b_idx = (offs_m % B).to(tl.int64)
+    gi = (offs_n // ((HPG + 2) * HEAD_DIM)).to(tl.int64)
+    slot = (offs_n // HEAD_DIM) % (HPG + 2)
+    dd = (offs_n % HEAD_DIM).to(tl.int64)
+    is_q = (slot < HPG)[None, :]
+    is_k = (slot == HPG)[None, :]
+    is_v = (slot == HPG + 1)[None, :]
+    q_off = (s_idx * sq_s + b_idx * sq_b)[:, None] + (gi * sq_g + slot.to(tl.int64) * sq_h + dd * sq_d)[None, :]
+    k_off = (s_idx * sk_s + b_idx * sk_b)[:, None] + (gi * sk_g + dd * sk_d)[None, :]
+    v_off = (s_idx * sv_s + b_idx * sv_b)[:, None] + (gi * sv_g + dd * sv_d)[None, :]
+    xq = tl.load(dq_ptr + q_off, mask=mask & is_q, other=0.0)
+    xk = tl.load(dk_ptr + k_off, mask=mask & is_k, other=0.0)
+    xv = tl.load(dv_ptr + v_off, mask=mask & is_v, other=0.0)
+    if R > 0:
+        # rotary backward (fp8engine.ops.rotary.rope_bwd): d = g cos + (y2, -y1), (y1, y2) = halves of g sin; each
+        # op rounded to dq's dtype as the reference's separate ops are. The partner channel feeds rotate_half^T.
+        half: tl.constexpr = R // 2
+        rot = ((dd < R) & (slot <= HPG))[None, :]
+        pd = tl.where(dd < half, dd + half, dd - half)
+        qp_off = (s_idx * sq_s + b_idx * sq_b)[:, None] + (gi * sq_g + slot.to(tl.int64) * sq_h + pd * sq_d)[None, :]
+        kp_off = (s_idx * sk_s + b_idx * sk_b)[:, None] + (gi * sk_g + pd * sk_d)[None, :]
+        gp = tl.where(is_q, tl.load(dq_ptr + qp_off, mask=mask & is_q & rot, other=0.0),
+                      tl.load(dk_ptr + kp_off, mask=mask & is_k & rot, other=0.0)).to(tl.float32)
+        g_cur = tl.where(is_q, xq, xk)
+        c = tl.load(cos_ptr + s_idx[:, None] * R + dd[None, :], mask=mask & rot, other=0.0).to(tl.float32)
+        sp = tl.load(sin_ptr + s_idx[:, None] * R + pd[None, :], mask=mask & rot, other=0.0).to(tl.float32)
+        a = _round_to(g_cur.to(tl.float32) * c, g_cur.dtype, CVT).to(tl.float32)
+        y = _round_to(gp * sp, g_cur.dtype, CVT).to(tl.float32)
+        new = _round_to(a + tl.where((dd < half)[None, :], y, -y), g_cur.dtype, CVT)
+        xq = tl.where(rot & is_q, new, xq)
+        xk = tl.where(rot & is_k, new, xk)
+    # select, not add: xq + xk + xv would turn a -0.0 into +0.0 (a different FP8 code)
+    return tl.where(is_q, xq, tl.where(is_k, xk, xv))
 
 
 @triton.jit
@@ -104,41 +167,9 @@ def _qkv_grad_cast_transpose_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < T) & (offs_n[None, :] < C)
-    # row -> (s_idx, b_idx); column -> (gi, slot, dd) of [g, HPG + 2, HEAD_DIM]; offsets in int64
-    s_idx = (offs_m // B).to(tl.int64)
-    b_idx = (offs_m % B).to(tl.int64)
-    gi = (offs_n // ((HPG + 2) * HEAD_DIM)).to(tl.int64)
-    slot = (offs_n // HEAD_DIM) % (HPG + 2)
-    dd = (offs_n % HEAD_DIM).to(tl.int64)
-    is_q = (slot < HPG)[None, :]
-    is_k = (slot == HPG)[None, :]
-    is_v = (slot == HPG + 1)[None, :]
-    q_off = (s_idx * sq_s + b_idx * sq_b)[:, None] + (gi * sq_g + slot.to(tl.int64) * sq_h + dd * sq_d)[None, :]
-    k_off = (s_idx * sk_s + b_idx * sk_b)[:, None] + (gi * sk_g + dd * sk_d)[None, :]
-    v_off = (s_idx * sv_s + b_idx * sv_b)[:, None] + (gi * sv_g + dd * sv_d)[None, :]
-    xq = tl.load(dq_ptr + q_off, mask=mask & is_q, other=0.0)
-    xk = tl.load(dk_ptr + k_off, mask=mask & is_k, other=0.0)
-    xv = tl.load(dv_ptr + v_off, mask=mask & is_v, other=0.0)
-    if R > 0:
-        # rotary backward (fp8engine.ops.rotary.rope_bwd): d = g cos + (y2, -y1), (y1, y2) = halves of g sin; each
-        # op rounded to dq's dtype as the reference's separate ops are. The partner channel feeds rotate_half^T.
-        half: tl.constexpr = R // 2
-        rot = ((dd < R) & (slot <= HPG))[None, :]
-        pd = tl.where(dd < half, dd + half, dd - half)
-        qp_off = (s_idx * sq_s + b_idx * sq_b)[:, None] + (gi * sq_g + slot.to(tl.int64) * sq_h + pd * sq_d)[None, :]
-        kp_off = (s_idx * sk_s + b_idx * sk_b)[:, None] + (gi * sk_g + pd * sk_d)[None, :]
-        gp = tl.where(is_q, tl.load(dq_ptr + qp_off, mask=mask & is_q & rot, other=0.0),
-                      tl.load(dk_ptr + kp_off, mask=mask & is_k & rot, other=0.0)).to(tl.float32)
-        g_cur = tl.where(is_q, xq, xk)
-        c = tl.load(cos_ptr + s_idx[:, None] * R + dd[None, :], mask=mask & rot, other=0.0).to(tl.float32)
-        sp = tl.load(sin_ptr + s_idx[:, None] * R + pd[None, :], mask=mask & rot, other=0.0).to(tl.float32)
-        a = _round_to(g_cur.to(tl.float32) * c, g_cur.dtype, CVT).to(tl.float32)
-        y = _round_to(gp * sp, g_cur.dtype, CVT).to(tl.float32)
-        new = _round_to(a + tl.where((dd < half)[None, :], y, -y), g_cur.dtype, CVT)
-        xq = tl.where(rot & is_q, new, xq)
-        xk = tl.where(rot & is_k, new, xk)
-    # select, not add: xq + xk + xv would turn a -0.0 into +0.0 (a different FP8 code)
-    x = tl.where(is_q, xq, tl.where(is_k, xk, xv)).to(tl.float32)
+    x = _gather_qkv_grad(dq_ptr, dk_ptr, dv_ptr, offs_m, offs_n, mask, B, sq_s, sq_b, sq_g, sq_h, sq_d, sk_s,
+                         sk_b, sk_g, sk_d, sv_s, sv_b, sv_g, sv_d, cos_ptr, sin_ptr, HPG, HEAD_DIM, CVT, R
+                         ).to(tl.float32)
     scale = tl.load(scale_ptr)
     _store_tile(x, offs_m, offs_n, T, C, C, out_ptr, out_t_ptr, scale, FP8_MAX, IS_E4M3, CVT, True, True)
     if HAS_AMAX:
@@ -146,6 +177,50 @@ def _qkv_grad_cast_transpose_kernel(
     tl.store(dbias_part_ptr + pid_m.to(tl.int64) * C + offs_n, tl.sum(x, axis=0), mask=offs_n < C)
     if (pid_m == 0) & (pid_n == 0):
         _write_scale_inv(scale, scale_inv_ptr)
+
+
+@triton.jit
+def _qkv_grad_1x128_kernel(
+    dq_ptr, dk_ptr, dv_ptr,  # as in _qkv_grad_cast_transpose_kernel
+    out_ptr,  # [T_OUT, C] FP8 bits (uint8), 1 x 128 tiles along C
+    sinv_ptr,  # [C / 128, T_OUT] fp32: T-major storage of the [T_OUT, C/128] scale_inv
+    out_t_ptr,  # [C, T_OUT] FP8 bits (uint8) of the re-tiled transpose (1 x 128 tiles along T); only if WRITE_T
+    sinv_t_ptr,  # [T_OUT / 128, C] fp32: C-major storage of the [C, T_OUT/128] scale_inv_t; only if WRITE_T
+    dbias_part_ptr,  # [T_OUT / 128, C] fp32 column sums of each 128-row tile; only if HAS_DBIAS
+    T,
+    T_OUT,  # T rounded up to a multiple of 128: rows T.. are zero padding (block_linear's padded token rows)
+    C,
+    B,
+    sq_s, sq_b, sq_g, sq_h, sq_d, sk_s, sk_b, sk_g, sk_d, sv_s, sv_b, sv_g, sv_d,
+    cos_ptr, sin_ptr,
+    HPG: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    CVT: tl.constexpr,
+    POW2: tl.constexpr,
+    R: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One 128 x 128 tile of the block-scaled gradient: gathered as the per-tensor kernel gathers it, then written
+    as ``block_cast``'s 1 x 128 cast with the re-tiled transpose (from the register tile) and the bias partials."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs_m[:, None] < T) & (offs_n[None, :] < C)
+    x = _gather_qkv_grad(dq_ptr, dk_ptr, dv_ptr, offs_m, offs_n, mask, B, sq_s, sq_b, sq_g, sq_h, sq_d, sk_s,
+                         sk_b, sk_g, sk_d, sv_s, sv_b, sv_g, sv_d, cos_ptr, sin_ptr, HPG, HEAD_DIM, CVT, R
+                         ).to(tl.float32)
+    a = _masked_abs(x, mask)  # padding rows are 0: amax 0, scale 1, zero bits (as the cast of padded rows)
+    _store_1x128_rows(x, a, offs_m, offs_n, pid_n, T_OUT, C, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
+    if WRITE_T:
+        _store_1x128_t(x, a, offs_m, offs_n, pid_m, T_OUT, C, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2,
+                       False)
+    if HAS_DBIAS:
+        tl.store(dbias_part_ptr + pid_m.to(tl.int64) * C + offs_n, tl.sum(x, axis=0), mask=offs_n < C)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -256,6 +331,92 @@ def qkv_grad_cast_transpose_dbias(
         **({"enable_fp_fusion": False} if r else {}),  # fp32: no FMA contraction of the rotation (reference's bits)
     )  # fmt: skip
     return data, data_t, scale_inv, sum_partials(parts, dq.dtype)
+
+
+def qkv_grad_1x128(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    power_2_scale: bool = True,
+    transpose: bool = True,
+    dbias: bool = True,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> tuple:
+    """The fused grouped-QKV gradient cast block-scaled (the ``Float8BlockScaling`` recipe), reading dq/dk/dv in place:
+    what ``block_cast.cast_1x128_dbias`` returns on the assembled ``[T, C]`` buffer with its token rows zero-padded to
+    a multiple of 128 (``ops.block_linear``'s padding), in one pass without that buffer.
+
+    Args:
+        dq, dk, dv, cos, sin: as :func:`qkv_grad_cast_transpose_dbias` (any strides; the rotation's gradient applied
+            in the gather when the angle tables are given).
+        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2. power_2_scale: power-of-two tile scales.
+        transpose: also write the re-tiled transpose (the wgrad operand). dbias: also return the column sums.
+    Returns:
+        ``(data, scale_inv, data_t, scale_inv_t, dbias)``: ``data`` ``[T_out, C]`` FP8 (``T_out`` = T rounded up to
+        128), ``scale_inv`` fp32 ``[T_out, C/128]`` strides ``(1, T_out)``; ``data_t`` ``[C, T_out]`` and
+        ``scale_inv_t`` fp32 ``[C, T_out/128]`` strides ``(1, C)`` (None without ``transpose``); ``dbias [C]`` in dq's
+        dtype (fp32 column sums per 128-row tile, then a fixed-order sum; None without ``dbias``). The FP8 bits and
+        scales equal ``cast_1x128``'s on the assembled, padded buffer.
+    Raises:
+        as :func:`qkv_grad_cast_transpose_dbias`; ValueError also when C is not a multiple of 128.
+    """
+    op = "qkv_grad_1x128"
+    if dq is None or dk is None or dv is None:
+        raise ValueError(f"{op}: dq, dk and dv are all required; for a missing (zero) gradient use "
+                         "assemble_qkv_grad and block_cast.cast_1x128")
+    check_launchable(dq, op)
+    s, b, g, hpg, d = _qkv_dims(dq, dk, dv, op)
+    if dq.dtype not in HP_DTYPES:
+        raise TypeError(f"{op}: dq, dk, dv have dtype {dq.dtype}; supported: bfloat16, float16, float32")
+    fp8_max, is_e4m3 = fp8_format(fp8_dtype, op)
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{op}: give both cos and sin (the rotary angle tables) or neither")
+    r = 0 if cos is None else check_rope_table(cos, sin, s, d, dq, op)
+    t, c = s * b, g * (hpg + 2) * d
+    if c % BLOCK:
+        raise ValueError(f"{op}: the gradient has C = {c} columns, not a multiple of {BLOCK} (the block GEMMs' tile)")
+    t_out = cdiv(t, BLOCK) * BLOCK
+    mb, dev = t_out // BLOCK, dq.device
+    data = torch.empty((t_out, c), dtype=fp8_dtype, device=dev)
+    sinv = torch.empty((c // BLOCK, t_out), dtype=torch.float32, device=dev)
+    data_t = torch.empty((c, t_out), dtype=fp8_dtype, device=dev) if transpose else None
+    sinv_t = torch.empty((mb, c), dtype=torch.float32, device=dev) if transpose else None
+    parts = torch.empty((mb, c), dtype=torch.float32, device=dev) if dbias else None
+    if t_out and c:
+        u8 = data.view(torch.uint8)
+        launch(_qkv_grad_1x128_kernel, (mb, c // BLOCK),
+            dq, dk, dv, u8, sinv, data_t.view(torch.uint8) if transpose else u8, sinv_t if transpose else sinv,
+            parts if dbias else sinv, t, t_out, c, b, *dq.stride(), *dk.stride(), *dv.stride(),
+            sinv if cos is None else cos, sinv if sin is None else sin,
+            HPG=hpg, HEAD_DIM=d, FP8_MAX=fp8_max, IS_E4M3=is_e4m3, CVT=fp8_cvt_mode(tiled_transpose=True),
+            POW2=bool(power_2_scale), R=r, WRITE_T=transpose, HAS_DBIAS=dbias, BLOCK=BLOCK, num_warps=BLOCK_WARPS,
+            **({"enable_fp_fusion": False} if r else {}),  # fp32: no FMA contraction of the rotation (reference's bits)
+        )  # fmt: skip
+    db = None
+    if dbias:
+        db = sum_partials(parts, dq.dtype) if t_out else torch.zeros(c, dtype=dq.dtype, device=dev)
+    return data, sinv.t(), data_t, (sinv_t.t() if transpose else None), db
+
+
+def qkv_grad_1x128_reference(dq, dk, dv, fp8_dtype, *, power_2_scale=True, transpose=True, dbias=True, cos=None,
+                             sin=None):
+    """Plain-PyTorch :func:`qkv_grad_1x128`: ``rope_bwd`` of dq and dk (with the angle tables), the assembled buffer
+    with its rows zero-padded to a multiple of 128, ``block_cast.cast_1x128_reference`` and the fp32 column sums
+    (another summation order than the kernel's)."""
+    if cos is not None:
+        from fp8engine.ops.qkv import unrotate_grads  # (ops imports kernels: a call-time import)
+
+        dq, dk = unrotate_grads(dq, dk, (cos, sin))
+    grad = assemble_qkv_grad(dq, dk, dv)
+    grad = grad.reshape(-1, grad.shape[-1])
+    pad = -grad.shape[0] % BLOCK
+    data, sinv, data_t, sinv_t = cast_1x128_reference(torch.nn.functional.pad(grad, (0, 0, 0, pad)), fp8_dtype,
+                                                      power_2_scale=power_2_scale, transpose=transpose)
+    db = grad.sum(0, dtype=torch.float32).to(grad.dtype) if dbias else None
+    return data, sinv, data_t, sinv_t, db
 
 
 # ----------------------------------------------------------------------------------------------------------------

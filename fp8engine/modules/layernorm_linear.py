@@ -23,7 +23,7 @@ from torch import nn
 
 from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.modules.base import FP8Module
-from fp8engine.ops.block_linear import block_fp8_linear
+from fp8engine.ops.block_linear import block_fp8_linear, block_fp8_linear_qkv
 from fp8engine.ops.block_norm import block_norm_cast
 from fp8engine.ops.init import init_linear_params
 from fp8engine.ops.linear import linear_main_grad
@@ -163,8 +163,9 @@ class LayerNormLinear(FP8Module):
     Under ``Float8BlockScaling``: on the kernel path the norm kernel writes the 1 x 128-tiled FP8 input (and its
     re-tiled transpose) for :func:`fp8engine.ops.block_linear.block_fp8_linear`, which runs the three GEMMs
     block-scaled (on the CPU reference path the norm runs in high precision and the op casts its output); with
-    ``qkv_split`` the output is split by the high-precision ``split_grouped_qkv`` (its backward assembles dq, dk,
-    dv into one buffer that the block op casts: the fused QKV-gradient cast kernel writes per-tensor scales only).
+    ``qkv_split`` the op returns q, k, v itself (:func:`fp8engine.ops.block_linear.block_fp8_linear_qkv`: its
+    backward casts the QKV gradient block-scaled straight from dq, dk, dv, the rotation's gradient and the bias
+    gradient in the same pass).
     In and out features must then be multiples of 128 (``ValueError`` at the first FP8 forward).
 
     Outside autocast it equals ``F.linear(F.layer_norm(x, ...), weight, bias)`` (or ``F.rms_norm``) bit for bit.
@@ -297,6 +298,10 @@ class LayerNormLinear(FP8Module):
                 out = F.linear(total, weight, bias)
         else:  # Float8BlockScaling (class docstring); ln_fp8: the fused norm's (q, q_t), or None
             w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
+            if qkv_split is not None:  # the QKV gradient cast block-scaled straight from dq, dk, dv
+                out = block_fp8_linear_qkv(total, weight, bias, q, qkv_split, w_q=w_fp8, fuse_wgrad=fuse, x_q=ln_fp8,
+                                           freqs=qkv_rope)
+                return norm_module_outputs(self, out, ln, s, return_norm_input)
             out = block_fp8_linear(total, weight, bias, q, w_q=w_fp8, fuse_wgrad=fuse, x_q=ln_fp8)
         if qkv_split is not None:
             out = split_grouped_qkv(out, *qkv_split, freqs=qkv_rope)

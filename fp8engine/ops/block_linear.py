@@ -32,8 +32,8 @@ from fp8engine.ops.block_gemm import block_gemm
 from fp8engine.ops.linear import main_grad_of
 from fp8engine.recipe import Float8BlockScaling
 
-__all__ = ["block_linear", "block_fp8_linear", "BlockLinearFunction", "check_block_dims", "check_x_q",
-           "BLOCK_DTYPES"]
+__all__ = ["block_linear", "block_fp8_linear", "block_fp8_linear_qkv", "BlockLinearFunction", "BlockLinearQKV",
+           "block_linear_grads", "check_block_dims", "check_x_q", "BLOCK_DTYPES"]
 
 _B = Float8BlockScaling.BLOCK_SIZE
 #: High-precision dtypes the block GEMM can write (``torch.nn.functional.scaled_mm``'s block-wise outputs).
@@ -89,32 +89,88 @@ class BlockLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        (weight,) = ctx.saved_tensors
-        qx_t, qw_t = ctx.saved
-        grad_q, fuse_wgrad, use_hw, x_shape, x_dtype, pad = ctx.cfg
-        ctx.saved = None
         dy2 = dy.reshape(-1, dy.shape[-1])
         if dy2.dtype not in BLOCK_DTYPES:
             dy2 = dy2.float()
-        dx = dw = dbias = None
+        qx_t, qw_t = ctx.saved
+        grad_q, pad, weight = ctx.cfg[0], ctx.cfg[5], ctx.saved_tensors[0]
         need_db = ctx.needs_input_grad[2]
-        if qx_t is not None or qw_t is not None:
-            if need_db:  # the bias gradient from the cast's pass (padding rows are zeros: they add nothing)
-                qdy, qdy_t, dbias = grad_q.quantize_dbias(_pad_rows(dy2, pad), transpose=qx_t is not None)
-                dbias = dbias.to(weight.dtype)
-            else:
-                qdy, qdy_t = grad_q.quantize(_pad_rows(dy2, pad), transpose=qx_t is not None)
-            if qw_t is not None:  # dgrad: [M, N] x [K, N] -> [M, K]
-                dx = block_gemm(qdy, qw_t, x_dtype, use_hw=use_hw)
-                dx = (dx[:dx.shape[0] - pad] if pad else dx).reshape(x_shape)
-            if qx_t is not None:  # wgrad: [N, M] x [K, M] -> [N, K]
-                if fuse_wgrad:
-                    main_grad_of(weight).add_(block_gemm(qdy_t, qx_t, torch.float32, use_hw=use_hw))
-                else:
-                    dw = block_gemm(qdy_t, qx_t, weight.dtype, use_hw=use_hw)
-        elif need_db:
-            dbias = dy2.sum(0, dtype=torch.float32).to(weight.dtype)
-        return dx, dw, dbias, None, None, None, None, None
+        if qx_t is None and qw_t is None:  # only the bias needs a gradient
+            ctx.saved = None
+            return None, None, (dy2.sum(0, dtype=torch.float32).to(weight.dtype) if need_db else None), \
+                None, None, None, None, None
+        if need_db:  # the bias gradient from the cast's pass (padding rows are zeros: they add nothing)
+            qdy, qdy_t, dbias = grad_q.quantize_dbias(_pad_rows(dy2, pad), transpose=qx_t is not None)
+        else:
+            (qdy, qdy_t), dbias = grad_q.quantize(_pad_rows(dy2, pad), transpose=qx_t is not None), None
+        return (*block_linear_grads(ctx, qdy, qdy_t, dbias), None, None, None, None, None)
+
+
+def block_linear_grads(ctx, qdy, qdy_t, dbias: Optional[torch.Tensor]) -> tuple:
+    """``(dx, dw, dbias)`` of a block linear whose forward ran :meth:`BlockLinearFunction.forward` on ``ctx``, given
+    the output gradient already cast (``qdy [M_pad, N]`` 1 x 128 and, when a wgrad runs, its re-tiled ``qdy_t``;
+    token rows padded as the forward padded them) and its bias gradient (any float dtype, or None): dgrad ``dx = dy
+    @ w`` ``[M, K]`` in x's dtype, wgrad ``dw = dy.T @ x`` in the weight's dtype (or added in fp32 into
+    ``weight.main_grad`` with ``fuse_wgrad``, dw None), dbias in the weight's dtype."""
+    (weight,) = ctx.saved_tensors
+    qx_t, qw_t = ctx.saved
+    _, fuse_wgrad, use_hw, x_shape, x_dtype, pad = ctx.cfg
+    ctx.saved = None
+    dx = dw = None
+    if qw_t is not None:  # dgrad: [M, N] x [K, N] -> [M, K]
+        dx = block_gemm(qdy, qw_t, x_dtype, use_hw=use_hw)
+        dx = (dx[:dx.shape[0] - pad] if pad else dx).reshape(x_shape)
+    if qx_t is not None:  # wgrad: [N, M] x [K, M] -> [N, K]
+        if fuse_wgrad:
+            main_grad_of(weight).add_(block_gemm(qdy_t, qx_t, torch.float32, use_hw=use_hw))
+        else:
+            dw = block_gemm(qdy_t, qx_t, weight.dtype, use_hw=use_hw)
+    return dx, dw, None if dbias is None else dbias.to(weight.dtype)
+
+
+class BlockLinearQKV(torch.autograd.Function):
+    """:class:`BlockLinearFunction` whose output is returned as the grouped ``q, k, v`` of the fused QKV projection
+    (:func:`fp8engine.ops.qkv.split_rotate`: views, q and k rotated with rotary angles), and whose backward casts the
+    output gradient straight from ``dq, dk, dv`` (:func:`fp8engine.kernels.qkv_grad.qkv_grad_1x128`: the rotation's
+    gradient, the 1 x 128 cast, its re-tiled transpose and the bias gradient in one pass) instead of assembling them
+    into a ``[T, C]`` buffer first. Where that kernel does not run (the CPU reference path, a None gradient) the
+    buffer is assembled and cast as :class:`BlockLinearFunction` casts its gradient: the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, quantizers: LinearQuantizers, w_q: Optional[tuple], fuse_wgrad: bool,
+                use_hw: Optional[bool], x_q: Optional[tuple], split: tuple, freqs: Optional[torch.Tensor]):
+        from fp8engine.ops.qkv import split_rotate
+
+        y = BlockLinearFunction.forward(ctx, x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw, x_q)
+        q, k, v, ctx.rope = split_rotate(y, split, freqs)
+        ctx.hpg = split[1]
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        from fp8engine.fp8.float8_tensor import use_kernels
+        from fp8engine.fp8.block_tensor import Float8BlockTensor, TILE_1x128
+        from fp8engine.kernels.qkv_grad import assemble_qkv_grad, qkv_grad_1x128
+        from fp8engine.ops.qkv import unrotate_grads
+
+        qx_t, qw_t = ctx.saved
+        grad_q = ctx.cfg[0]
+        need_db, rope = ctx.needs_input_grad[2], ctx.rope
+        ctx.rope = None
+        kernels = use_kernels(dq) if grad_q.use_kernel is None else grad_q.use_kernel
+        # (the kernel pads the token rows to a multiple of 128, as the forward padded x: the same row count)
+        if (qx_t is not None or qw_t is not None) and dk is not None and dv is not None and dq is not None \
+                and kernels and dq.dtype in BLOCK_DTYPES:
+            data, sinv, data_t, sinv_t, dbias = qkv_grad_1x128(
+                dq, dk, dv, grad_q.fp8_dtype, power_2_scale=grad_q.power_2_scale, transpose=qx_t is not None,
+                dbias=need_db, cos=None if rope is None else rope[0], sin=None if rope is None else rope[1])
+            qdy = Float8BlockTensor(data, sinv, TILE_1x128, dq.dtype)
+            qdy_t = None if data_t is None else Float8BlockTensor(data_t, sinv_t, TILE_1x128, dq.dtype)
+            return (*block_linear_grads(ctx, qdy, qdy_t, dbias), None, None, None, None, None, None, None)
+        if rope is not None:
+            dq, dk = unrotate_grads(dq, dk, rope)
+        dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg)
+        return (*BlockLinearFunction.backward(ctx, dy), None, None)
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -143,6 +199,21 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                         "take bfloat16 or float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
     check_x_q(x_q, torch.is_grad_enabled() and (weight.requires_grad or fuse_wgrad), "block_fp8_linear")
     return BlockLinearFunction.apply(x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw, x_q)
+
+
+def block_fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         quantizers: LinearQuantizers, split: tuple, *, w_q: Optional[tuple] = None,
+                         fuse_wgrad: bool = False, use_hw: Optional[bool] = None, x_q: Optional[tuple] = None,
+                         freqs: Optional[torch.Tensor] = None):
+    """:func:`block_fp8_linear` of the fused QKV projection returning ``(q [s, b, g, hpg, d], k [s, b, g, d], v
+    [s, b, g, d])`` (:class:`BlockLinearQKV`; ``split = (g, hpg, d)`` per rank, ``weight`` ``[g * (hpg + 2) * d,
+    K]`` in the grouped layout of :mod:`fp8engine.ops.qkv`, ``freqs`` rotary angles ``[s, 1, 1, r]`` or None).
+    Arguments and errors otherwise as :func:`block_fp8_linear`; ``x`` is ``[s, b, K]``."""
+    if x.dtype not in BLOCK_DTYPES or weight.dtype not in BLOCK_DTYPES:
+        raise TypeError(f"Float8BlockScaling: x is {x.dtype} and the weight {weight.dtype}; the block-scaled GEMMs "
+                        "take bfloat16 or float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
+    check_x_q(x_q, torch.is_grad_enabled() and (weight.requires_grad or fuse_wgrad), "block_fp8_linear_qkv")
+    return BlockLinearQKV.apply(x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw, x_q, tuple(split), freqs)
 
 
 def check_x_q(x_q: Optional[tuple], wgrad: bool, op: str) -> None:
