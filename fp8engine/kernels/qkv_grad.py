@@ -401,15 +401,11 @@ def qkv_grad_1x128(
     return data, sinv.t(), data_t, (sinv_t.t() if transpose else None), db
 
 
-def qkv_grad_1x128_reference(dq, dk, dv, fp8_dtype, *, power_2_scale=True, transpose=True, dbias=True, cos=None,
-                             sin=None):
-    """Plain-PyTorch :func:`qkv_grad_1x128`: ``rope_bwd`` of dq and dk (with the angle tables), the assembled buffer
-    with its rows zero-padded to a multiple of 128, ``block_cast.cast_1x128_reference`` and the fp32 column sums
-    (another summation order than the kernel's)."""
-    if cos is not None:
-        from fp8engine.ops.qkv import unrotate_grads  # (ops imports kernels: a call-time import)
-
-        dq, dk = unrotate_grads(dq, dk, (cos, sin))
+def qkv_grad_1x128_reference(dq, dk, dv, fp8_dtype, *, power_2_scale=True, transpose=True, dbias=True):
+    """Plain-PyTorch :func:`qkv_grad_1x128` without angle tables: the assembled buffer with its rows zero-padded to a
+    multiple of 128, ``block_cast.cast_1x128_reference`` and the fp32 column sums (another summation order than the
+    kernel's). With angle tables the kernel equals this function on ``fp8engine.ops.rotary.rope_bwd`` of dq and dk
+    (``ops.qkv.unrotate_grads``; the kernels layer does not import ops)."""
     grad = assemble_qkv_grad(dq, dk, dv)
     grad = grad.reshape(-1, grad.shape[-1])
     pad = -grad.shape[0] % BLOCK

@@ -10,6 +10,7 @@ from test_qkv_grad_kernel import _make_grads
 from fp8engine.kernels._common import HAS_TRITON
 from fp8engine.kernels.block_cast import cast_1x128_dbias
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad, qkv_grad_1x128, qkv_grad_1x128_reference
+from fp8engine.ops.qkv import unrotate_grads
 from fp8engine.ops.rotary import rope_cos_sin
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
@@ -60,8 +61,8 @@ def test_matches_reference(device, layout, dtype, fp8_dtype, sb, grouping, rope)
         cos, sin = (t.to(device) for t in rope_cos_sin(freqs, dtype))
     for transpose, dbias in ((True, True), (False, False)):
         got = qkv_grad_1x128(dq, dk, dv, fp8_dtype, transpose=transpose, dbias=dbias, cos=cos, sin=sin)
-        want = qkv_grad_1x128_reference(dq.cpu(), dk.cpu(), dv.cpu(), fp8_dtype, transpose=transpose, dbias=dbias,
-                                        cos=None if cos is None else cos.cpu(), sin=None if sin is None else sin.cpu())
+        rq, rk = (dq.cpu(), dk.cpu()) if cos is None else unrotate_grads(dq.cpu(), dk.cpu(), (cos.cpu(), sin.cpu()))
+        want = qkv_grad_1x128_reference(rq, rk, dv.cpu(), fp8_dtype, transpose=transpose, dbias=dbias)
         t_out = -(-s * b // 128) * 128
         assert got[0].shape == (t_out, g * (hpg + 2) * d)
         _same_casts(got, want, fp8_dtype)
