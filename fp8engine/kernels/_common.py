@@ -158,7 +158,9 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     Triton's launch path re-binds and re-specializes every argument, formats a cache key and reads its knobs on
     each call: 16.5 host us per launch on the H100 against 6.1 us for the compiled kernel's own launcher
     (``CompiledKernel.run``), bits equal (probe of the cast kernel, torch 2.11, Triton 3.6). An FP8 layer step
-    makes ~18 launches. So the first launch of each (kernel, device, ``meta``, argument specialization -- the
+    makes ~18 launches. The launcher takes a pointer argument as an int as well as a tensor (6.6 against 8.3 host us
+    per call of the cast kernel's, another H100 host), so the direct call passes the pointers this function reads
+    anyway for the key (timing probes, 2026-11-26, not kept in the repository). So the first launch of each (kernel, device, ``meta``, argument specialization -- the
     key Triton itself compiles for, :func:`_arg_key`) goes through Triton and keeps the compiled kernel; later
     ones call its launcher on the current stream directly. ``meta``: the constexpr and launch options
     (``num_warps``), by keyword. Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by its
