@@ -46,3 +46,32 @@ def test_readme_names_every_tool():
     named = set(re.findall(r"tools/([\w.]+\.(?:py|sh))\b", readme))
     present = {p.name for p in TOOLS.iterdir() if p.suffix in (".py", ".sh")}
     assert named == present, (sorted(named - present), sorted(present - named))
+
+
+def test_layer_host_time_sections_runs_and_restores_the_wrapped_functions():
+    """``tools/layer_host_time.py --sections`` on the CPU: one table row per timed part (the fused step's forward and
+    backward among them), and every function it wrapped is the original object again afterwards."""
+    import contextlib
+    import io
+    import runpy
+    from types import SimpleNamespace
+
+    import torch
+
+    import fp8engine as fe
+    import fp8engine.ops.layer as fused
+    from fp8engine.modules.transformer import TransformerLayer
+
+    tool = runpy.run_path(str(TOOLS / "layer_host_time.py"), run_name="tool")
+    before = (fused.norm_fwd, fused._FP8TransformerLayer.__dict__["forward"], TransformerLayer._fused_plan)
+    layer = TransformerLayer(128, 256, 2, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16)
+    x = torch.randn(16, 1, 128, dtype=torch.bfloat16, requires_grad=True)
+    args = SimpleNamespace(device="cpu", steps=1, seq=16, batch=1, hidden=128, ffn=256, heads=2)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        tool["_sections"](layer, x, torch.randn_like(x), fe.DelayedScaling(), args)
+    text = out.getvalue()
+    assert "fused step forward (all of it)" in text and "fused step backward (all of it)" in text
+    assert "autocast exit (scale update)" in text
+    after = (fused.norm_fwd, fused._FP8TransformerLayer.__dict__["forward"], TransformerLayer._fused_plan)
+    assert all(a is b for a, b in zip(before, after))

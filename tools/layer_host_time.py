@@ -17,8 +17,14 @@ With ``--profile delayed|current|bf16`` it also breaks that case down: ``cProfil
 functions with the most own and cumulative time; the profiler's overhead inflates small Python functions, so
 compare rows, not sums) and the top-level ATen operators of one step by name and count.
 
+With ``--sections delayed|current`` it times the parts of the fused FP8 layer step instead (no profiler): each
+function the fused step (``fp8engine.ops.layer``) calls, the layer's plan (``TransformerLayer._fused_plan``, with
+the weight casts inside it), the quantizer casts, the autocast entry and exit (the delayed-scaling update) and the
+autograd engine around the backward, as host us per step over ``--steps`` steps (``time.perf_counter`` wrappers,
+about a microsecond each; nested rows are included in their callers' rows).
+
 Usage: python tools/layer_host_time.py [--device cuda|cpu] [--steps 50] [--profile delayed|current|bf16]
-[--top 40] [--seq 128 --batch 1 --hidden 256 --ffn 1024 --heads 4]
+[--sections delayed|current] [--top 40] [--seq 128 --batch 1 --hidden 256 --ffn 1024 --heads 4]
 """
 import argparse
 import collections
@@ -46,6 +52,8 @@ def _parse():
     p.add_argument("--rounds", type=int, default=3, help="rounds over all cases; each row: median of the rounds")
     p.add_argument("--profile", choices=["delayed", "current", "bf16"],
                    help="also print the cProfile and ATen-op breakdown of this TransformerLayer case")
+    p.add_argument("--sections", choices=["delayed", "current"],
+                   help="instead: host us per step of each part of the fused FP8 layer step under this recipe")
     p.add_argument("--top", type=int, default=40, help="rows of each cProfile table (with --profile)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
@@ -106,6 +114,12 @@ def main():
     torch.manual_seed(0)
     x = torch.randn(args.seq, args.batch, args.hidden, device=dev, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
+    if args.sections:
+        layer = TransformerLayer(args.hidden, args.ffn, args.heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                 params_dtype=dtype, device=dev)
+        recipe = fe.DelayedScaling() if args.sections == "delayed" else fe.CurrentScaling()
+        _sections(layer, x, dy, recipe, args)
+        return
     plain = PlainBlock(args.hidden, args.ffn, args.heads, device=dev, dtype=dtype)
     ours = TransformerLayer(args.hidden, args.ffn, args.heads, hidden_dropout=0.0, attention_dropout=0.0,
                             params_dtype=dtype, device=dev)
@@ -143,6 +157,85 @@ def main():
         print(f"=== top-level ATen ops of one step, {name} ===")
         for op, n in by_name[name].most_common():
             print(f"{n:5d}  {op}")
+
+
+def _sections(layer, x, dy, recipe, args) -> None:
+    """``--sections`` (module docstring): wrap the parts in timers, run ``args.steps`` steps, print the table."""
+    import contextlib
+
+    import fp8engine.ops.layer as fused
+    from fp8engine.fp8 import quantizer as quantizer_mod
+    from fp8engine.modules.base import FP8Module
+    from fp8engine.modules.transformer import TransformerLayer
+
+    acc, calls = collections.defaultdict(float), collections.Counter()
+    targets = [(fused, name, name) for name in ("norm_fwd", "fp8_fprop", "split_rotate", "_node_fwd",
+                                                   "fc1_fprop_act", "dgrad_wgrad", "act_bwd_cast", "norm_bwd",
+                                                   "qkv_grad_fp8", "_node_bwd", "_dropout_fwd")]
+    targets += [(fused._FP8TransformerLayer, "forward", "fused step forward (all of it)"),
+                (fused._FP8TransformerLayer, "backward", "fused step backward (all of it)"),
+                (TransformerLayer, "_fused_plan", "layer plan (weight casts included)"),
+                (FP8Module, "fp8_weight", "FP8Module.fp8_weight (weight cast)"),
+                (quantizer_mod.Quantizer, "quantize", "Quantizer.quantize"),
+                (quantizer_mod.Quantizer, "quantize_dbias", "Quantizer.quantize_dbias")]
+
+    def timed(fn, label):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[label] += time.perf_counter() - t0
+                calls[label] += 1
+        return wrapper
+
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in targets]
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    params = list(layer.parameters())
+    with contextlib.ExitStack() as restore:
+        restore.callback(lambda: [setattr(o, n, f) for o, n, f in saved])
+        for owner, name, label in targets:
+            fn = owner.__dict__[name]
+            inner = fn.__func__ if isinstance(fn, staticmethod) else fn
+            w = timed(inner, label)
+            setattr(owner, name, staticmethod(w) if isinstance(fn, staticmethod) else w)
+
+        def step(record: bool):
+            x.grad = None
+            for p in params:
+                p.grad = None
+            t0 = time.perf_counter()
+            with fe.autocast(recipe=recipe):
+                t1 = time.perf_counter()
+                y = layer(x)
+                t2 = time.perf_counter()
+            t3 = time.perf_counter()
+            y.backward(dy)
+            t4 = time.perf_counter()
+            if record:
+                for label, dt in (("step (all of it)", t4 - t0), ("autocast entry", t1 - t0),
+                                  ("module forward (plan + fused forward)", t2 - t1),
+                                  ("autocast exit (scale update)", t3 - t2),
+                                  ("backward() call (engine + fused backward)", t4 - t3)):
+                    acc[label] += dt
+                    calls[label] += 1
+
+        for _ in range(3):
+            step(False)
+        sync()
+        acc.clear()
+        calls.clear()
+        for _ in range(args.steps):
+            sync()
+            step(True)
+        sync()
+    n = args.steps
+    rows = [{"part": label, "host us per step": acc[label] / n * 1e6, "calls per step": calls[label] / n}
+            for label in sorted(acc, key=lambda k: -acc[k])]
+    print(f"device {args.device}, torch {torch.__version__}, layer [{args.seq}, {args.batch}, {args.hidden}], "
+          f"ffn {args.ffn}, heads {args.heads}, {type(recipe).__name__}, {n} steps; nested rows are inside their "
+          "callers' rows")
+    print_table(rows)
 
 
 def _profile(run, args, device: str) -> None:
