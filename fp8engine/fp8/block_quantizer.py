@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from fp8engine.fp8.block_tensor import BLOCK_128x128, TILE_1x128, Float8BlockTensor, quantize_block
-from fp8engine.fp8.dtypes import HIGH_PRECISION_DTYPES, fp8_dtype_of
+from fp8engine.fp8.block_tensor import BLOCK_128x128, TILE_1x128, quantize_block
+from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import use_kernels
 
 __all__ = ["BlockQuantizer", "BlockPair", "block_quantizers_for"]
@@ -86,9 +86,9 @@ class BlockQuantizer:
 
     def quantize_dbias(self, dy: torch.Tensor, *, transpose: bool = True) -> tuple:
         """Cast a gradient ``dy`` (``[*, N]``, viewed as ``[M, N]``; 1 x 128 tiles) and return its bias gradient,
-        the column sums, too: ``(q, q_t or None, dbias [N] in dy.dtype)``. Kernels: one pass
-        (:func:`fp8engine.kernels.block_cast.cast_1x128_dbias`); the reference: :meth:`quantize` then
-        ``dy.sum(0)`` in fp32 (the two differ only in the fp32 summation order).
+        the column sums, too: ``(q, q_t or None, dbias [N] in dy.dtype)`` (``quantize_block(..., dbias=True)``: the
+        kernels in one pass, :func:`fp8engine.kernels.block_cast.cast_1x128_dbias`; the reference ``dy.sum(0)`` in
+        fp32; the two differ only in the fp32 summation order).
 
         Raises:
             ValueError: this quantizer has 128 x 128 blocks (weights have no bias gradient); as :meth:`quantize`.
@@ -96,20 +96,8 @@ class BlockQuantizer:
         if self.block != TILE_1x128:
             raise ValueError(f"BlockQuantizer.quantize_dbias: role {self.role!r} has {self.block} blocks; a bias "
                              "gradient is cast with 1 x 128 tiles")
-        use = use_kernels(dy) if self.use_kernel is None else self.use_kernel
-        if not use:
-            q = self.quantize(dy, transpose=transpose)
-            return (*q, dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(dy.dtype))
-        from fp8engine.kernels.block_cast import cast_1x128_dbias
-
-        if dy.dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(f"BlockQuantizer.quantize_dbias: dy has dtype {dy.dtype}; supported: float32, bfloat16, "
-                            "float16")
-        dy2 = dy.detach().reshape(-1, dy.shape[-1]).contiguous()
-        data, sinv, data_t, sinv_t, db = cast_1x128_dbias(dy2, self.fp8_dtype, power_2_scale=self.power_2_scale,
-                                                          transpose=transpose)
-        q = Float8BlockTensor(data, sinv, TILE_1x128, dy.dtype)
-        return q, (Float8BlockTensor(data_t, sinv_t, TILE_1x128, dy.dtype) if transpose else None), db
+        return quantize_block(dy, self.fp8_dtype, self.block, power_2_scale=self.power_2_scale, transpose=transpose,
+                              use_kernel=use_kernels(dy) if self.use_kernel is None else self.use_kernel, dbias=True)
 
     def __repr__(self) -> str:
         return (f"BlockQuantizer(role={self.role!r}, block={self.block}, fp8_dtype={self.fp8_dtype}, "

@@ -100,7 +100,7 @@ class Float8BlockTensor:
 
 
 def quantize_block(x: torch.Tensor, fp8_dtype: torch.dtype, block: tuple = TILE_1x128, *, power_2_scale: bool = True,
-                   transpose: bool = False, use_kernel: Optional[bool] = None):
+                   transpose: bool = False, use_kernel: Optional[bool] = None, dbias: bool = False):
     """Cast ``x`` to block-scaled FP8 (scales from each block's amax; rule in ``fp8engine.kernels.block_cast``).
 
     Args:
@@ -111,11 +111,14 @@ def quantize_block(x: torch.Tensor, fp8_dtype: torch.dtype, block: tuple = TILE_
         transpose: also return the ``[K, M]`` transposed operand: re-tiled along M for ``(1, 128)``, the exact
             block transpose for ``(128, 128)``; both from the same kernel pass.
         use_kernel: run the Triton kernel (default: when ``x`` is on CUDA); False runs the plain-PyTorch reference.
+        dbias: (1 x 128 only: a gradient) also return its column sums ``x.sum(0)`` in fp32 rounded to x's dtype,
+            from the same kernel pass (``block_cast.cast_1x128_dbias``).
     Returns:
-        a :class:`Float8BlockTensor`, or ``(q, q_t)`` when ``transpose``.
+        a :class:`Float8BlockTensor`, or ``(q, q_t)`` when ``transpose``; with ``dbias`` always
+        ``(q, q_t or None, dbias [K])``.
     Raises:
         TypeError: ``x`` not a high-precision float tensor, or ``fp8_dtype`` not FP8. ValueError: bad ``block``,
-        ``x`` 0-d.
+        ``x`` 0-d, ``dbias`` with 128 x 128 blocks.
     """
     from fp8engine.kernels import block_cast as kb
 
@@ -128,15 +131,20 @@ def quantize_block(x: torch.Tensor, fp8_dtype: torch.dtype, block: tuple = TILE_
         raise ValueError(f"quantize_block: block must be {TILE_1x128} or {BLOCK_128x128}, got {block}")
     if x.dim() == 0:
         raise ValueError("quantize_block: x must have at least one dimension")
+    if dbias and block != TILE_1x128:
+        raise ValueError(f"quantize_block: dbias (a bias gradient) is cast with {TILE_1x128} tiles, got {block}")
     x2 = x.detach().reshape(-1, x.shape[-1]).contiguous()
     if use_kernel is None:
         use_kernel = x2.is_cuda
-    if block == TILE_1x128:
+    if dbias:
+        fn = kb.cast_1x128_dbias if use_kernel else kb.cast_1x128_dbias_reference
+    elif block == TILE_1x128:
         fn = kb.cast_1x128 if use_kernel else kb.cast_1x128_reference
     else:
         fn = kb.cast_128x128 if use_kernel else kb.cast_128x128_reference
-    data, sinv, data_t, sinv_t = fn(x2, fp8_dtype, power_2_scale=power_2_scale, transpose=transpose)
+    data, sinv, data_t, sinv_t, *db = fn(x2, fp8_dtype, power_2_scale=power_2_scale, transpose=transpose)
     q = Float8BlockTensor(data, sinv, block, x.dtype)
-    if not transpose:
-        return q
-    return q, Float8BlockTensor(data_t, sinv_t, block, x.dtype)
+    q_t = Float8BlockTensor(data_t, sinv_t, block, x.dtype) if transpose else None
+    if dbias:
+        return q, q_t, db[0]
+    return (q, q_t) if transpose else q

@@ -39,28 +39,12 @@ import torch
 from ._common import (_masked_abs, as_2d, cdiv, check_hp, check_launchable, fp8_cvt_mode, fp8_format, launch,
                       sum_partials, tl, triton)
 from .activation import _GELU, _RELU, _SWIGLU, _act_bwd_math, _act_bwd_tile, _act_fwd_math, _act_fwd_tile
-from .block_cast import BLOCK, BLOCK_WARPS, _store_1x128_rows, _store_1x128_t, cast_1x128_reference
+from .block_cast import BLOCK, BLOCK_WARPS, _store_1x128_t, _store_tile_1x128, cast_1x128_reference
 
 __all__ = ["act_fwd_1x128", "act_bwd_1x128", "act_fwd_1x128_reference", "act_bwd_1x128_reference", "KINDS"]
 
 #: The activations by name (the modules' ``activation`` argument) -> the kernels' ``ACT`` constexpr.
 KINDS = {"gelu": _GELU, "relu": _RELU, "swiglu": _SWIGLU}
-
-
-@triton.jit
-def _store_tile_1x128(y, offs_m, offs_n, pid_m, kb, M, M_OUT, NC, out_ptr, sinv_ptr, out_t_ptr, sinv_t_ptr,
-                      FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, CVT: tl.constexpr, POW2: tl.constexpr,
-                      WRITE_T: tl.constexpr):
-    """Zero the padding rows (>= M) of the fp32 tile ``y`` (rows offs_m, columns offs_n of an [M_OUT, NC] matrix,
-    tile column ``kb``) and store it 1 x 128-tiled; with WRITE_T also its re-tiled transpose from this register
-    tile (``block_cast._store_1x128_t``: the backward, where recomputing the tile transposed costs more)."""
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < NC)
-    y = tl.where(mask, y, 0.0)
-    a = _masked_abs(y, mask)
-    _store_1x128_rows(y, a, offs_m, offs_n, kb, M_OUT, NC, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
-    if WRITE_T:
-        _store_1x128_t(y, a, offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2,
-                       False)
 
 
 @triton.jit

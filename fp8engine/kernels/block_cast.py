@@ -147,6 +147,23 @@ def _store_1x128_t(
 
 
 @triton.jit
+def _store_tile_1x128(y, offs_m, offs_n, pid_m, kb, M, M_OUT, NC, out_ptr, sinv_ptr, out_t_ptr, sinv_t_ptr,
+                      FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, CVT: tl.constexpr, POW2: tl.constexpr,
+                      WRITE_T: tl.constexpr):
+    """Zero the padding rows (>= M) of the fp32 tile ``y`` (rows offs_m, columns offs_n of an [M_OUT, NC] matrix,
+    tile column ``kb``) and store it 1 x 128-tiled; with WRITE_T also its re-tiled transpose from this register
+    tile (:func:`_store_1x128_t` untransposed: the activation backward and the QKV-gradient gather, where
+    recomputing the tile transposed costs more)."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < NC)
+    y = tl.where(mask, y, 0.0)
+    a = _masked_abs(y, mask)
+    _store_1x128_rows(y, a, offs_m, offs_n, kb, M_OUT, NC, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
+    if WRITE_T:
+        _store_1x128_t(y, a, offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2,
+                       False)
+
+
+@triton.jit
 def _block_cast_kernel(
     x_ptr,  # [M, K] input, high precision, row-major
     out_ptr,  # [M, K] FP8 bits (uint8)

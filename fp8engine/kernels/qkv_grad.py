@@ -52,7 +52,6 @@ import torch
 from ._common import (
     HP_DTYPES,
     _abs_max,
-    _masked_abs,
     _round_to,
     _store_tile,
     _write_scale_inv,
@@ -67,7 +66,7 @@ from ._common import (
     tl,
     triton,
 )
-from .block_cast import BLOCK, BLOCK_WARPS, _store_1x128_rows, _store_1x128_t, cast_1x128_reference
+from .block_cast import BLOCK, BLOCK_WARPS, _store_tile_1x128, cast_1x128_reference
 from .cast import TILE_M, TILE_N, TILE_WARPS, _hw_cvt_ok, cast_transpose_dbias, cast_transpose_dbias_reference
 from .rotary import check_rope_table
 
@@ -214,11 +213,9 @@ def _qkv_grad_1x128_kernel(
     x = _gather_qkv_grad(dq_ptr, dk_ptr, dv_ptr, offs_m, offs_n, mask, B, sq_s, sq_b, sq_g, sq_h, sq_d, sk_s,
                          sk_b, sk_g, sk_d, sv_s, sv_b, sv_g, sv_d, cos_ptr, sin_ptr, HPG, HEAD_DIM, CVT, R
                          ).to(tl.float32)
-    a = _masked_abs(x, mask)  # padding rows are 0: amax 0, scale 1, zero bits (as the cast of padded rows)
-    _store_1x128_rows(x, a, offs_m, offs_n, pid_n, T_OUT, C, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
-    if WRITE_T:
-        _store_1x128_t(x, a, offs_m, offs_n, pid_m, T_OUT, C, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2,
-                       False)
+    # padding rows (>= T) are 0: amax 0, scale 1, zero bits (as the cast of padded rows)
+    _store_tile_1x128(x, offs_m, offs_n, pid_m, pid_n, T, T_OUT, C, out_ptr, sinv_ptr, out_t_ptr, sinv_t_ptr, FP8_MAX,
+                      IS_E4M3, CVT, POW2, WRITE_T)
     if HAS_DBIAS:
         tl.store(dbias_part_ptr + pid_m.to(tl.int64) * C + offs_n, tl.sum(x, axis=0), mask=offs_n < C)
 
@@ -261,8 +258,26 @@ def _qkv_dims(dq, dk, dv, op, heads_per_group=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Launcher
+# Launchers
 # ----------------------------------------------------------------------------------------------------------------
+def _check_gather(dq, dk, dv, fp8_dtype, cos, sin, op: str, cast: str):
+    """The checks both gathering launchers share: ``((s, b, g, hpg, d), rotary width r, (fp8_max, is_e4m3))``.
+    Raises ValueError (a None gradient -- ``cast`` names the cast to use on the assembled buffer --, shapes,
+    devices, one angle table without the other, not launchable) or TypeError (dtypes, fp8_dtype)."""
+    if dq is None or dk is None or dv is None:
+        raise ValueError(f"{op}: dq, dk and dv are all required; for a missing (zero) gradient use "
+                         f"assemble_qkv_grad and {cast}")
+    check_launchable(dq, op)
+    s, b, g, hpg, d = _qkv_dims(dq, dk, dv, op)
+    if dq.dtype not in HP_DTYPES:
+        raise TypeError(f"{op}: dq, dk, dv have dtype {dq.dtype}; supported: bfloat16, float16, float32")
+    fmt = fp8_format(fp8_dtype, op)
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{op}: give both cos and sin (the rotary angle tables) or neither")
+    r = 0 if cos is None else check_rope_table(cos, sin, s, d, dq, op)
+    return (s, b, g, hpg, d), r, fmt
+
+
 def qkv_grad_cast_transpose_dbias(
     dq: torch.Tensor,
     dk: torch.Tensor,
@@ -297,19 +312,10 @@ def qkv_grad_cast_transpose_dbias(
         TypeError: dtypes differ or are unsupported; scale / amax_out not a 1-element fp32 tensor; bad fp8_dtype.
     """
     op = "qkv_grad_cast_transpose_dbias"
-    if dq is None or dk is None or dv is None:
-        raise ValueError(f"{op}: dq, dk and dv are all required; for a missing (zero) gradient use "
-                         "assemble_qkv_grad and cast_transpose_dbias")
-    check_launchable(dq, op)
-    s, b, g, hpg, d = _qkv_dims(dq, dk, dv, op)
-    if dq.dtype not in HP_DTYPES:
-        raise TypeError(f"{op}: dq, dk, dv have dtype {dq.dtype}; supported: bfloat16, float16, float32")
+    (s, b, g, hpg, d), r, (fp8_max, is_e4m3) = _check_gather(dq, dk, dv, fp8_dtype, cos, sin, op,
+                                                            "cast_transpose_dbias")
     check_scalar_f32(scale, "scale", dq.device, op)
     check_scalar_f32(amax_out, "amax_out", dq.device, op)
-    fp8_max, is_e4m3 = fp8_format(fp8_dtype, op)
-    if (cos is None) != (sin is None):
-        raise ValueError(f"{op}: give both cos and sin (the rotary angle tables) or neither")
-    r = 0 if cos is None else check_rope_table(cos, sin, s, d, dq, op)
     t, c = s * b, g * (hpg + 2) * d
     if c == 0:
         raise ValueError(f"{op}: the gradient has no columns (g={g}, d={d}); nothing to cast")
@@ -364,17 +370,8 @@ def qkv_grad_1x128(
         as :func:`qkv_grad_cast_transpose_dbias`; ValueError also when C is not a multiple of 128.
     """
     op = "qkv_grad_1x128"
-    if dq is None or dk is None or dv is None:
-        raise ValueError(f"{op}: dq, dk and dv are all required; for a missing (zero) gradient use "
-                         "assemble_qkv_grad and block_cast.cast_1x128")
-    check_launchable(dq, op)
-    s, b, g, hpg, d = _qkv_dims(dq, dk, dv, op)
-    if dq.dtype not in HP_DTYPES:
-        raise TypeError(f"{op}: dq, dk, dv have dtype {dq.dtype}; supported: bfloat16, float16, float32")
-    fp8_max, is_e4m3 = fp8_format(fp8_dtype, op)
-    if (cos is None) != (sin is None):
-        raise ValueError(f"{op}: give both cos and sin (the rotary angle tables) or neither")
-    r = 0 if cos is None else check_rope_table(cos, sin, s, d, dq, op)
+    (s, b, g, hpg, d), r, (fp8_max, is_e4m3) = _check_gather(dq, dk, dv, fp8_dtype, cos, sin, op,
+                                                            "block_cast.cast_1x128")
     t, c = s * b, g * (hpg + 2) * d
     if c % BLOCK:
         raise ValueError(f"{op}: the gradient has C = {c} columns, not a multiple of {BLOCK} (the block GEMMs' tile)")

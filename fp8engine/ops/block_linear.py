@@ -27,9 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.block_quantizer import block_quantizers_for
+from fp8engine.fp8.block_tensor import TILE_1x128, Float8BlockTensor
+from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers
+from fp8engine.kernels.qkv_grad import assemble_qkv_grad, qkv_grad_1x128
 from fp8engine.ops.block_gemm import block_gemm
 from fp8engine.ops.linear import main_grad_of
+from fp8engine.ops.qkv import split_rotate, unrotate_grads
 from fp8engine.recipe import Float8BlockScaling
 
 __all__ = ["block_linear", "block_fp8_linear", "block_fp8_linear_qkv", "BlockLinearFunction", "BlockLinearQKV",
@@ -139,8 +143,6 @@ class BlockLinearQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizers: LinearQuantizers, w_q: Optional[tuple], fuse_wgrad: bool,
                 use_hw: Optional[bool], x_q: Optional[tuple], split: tuple, freqs: Optional[torch.Tensor]):
-        from fp8engine.ops.qkv import split_rotate
-
         y = BlockLinearFunction.forward(ctx, x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw, x_q)
         q, k, v, ctx.rope = split_rotate(y, split, freqs)
         ctx.hpg = split[1]
@@ -148,11 +150,6 @@ class BlockLinearQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        from fp8engine.fp8.float8_tensor import use_kernels
-        from fp8engine.fp8.block_tensor import Float8BlockTensor, TILE_1x128
-        from fp8engine.kernels.qkv_grad import assemble_qkv_grad, qkv_grad_1x128
-        from fp8engine.ops.qkv import unrotate_grads
-
         qx_t, qw_t = ctx.saved
         grad_q = ctx.cfg[0]
         need_db, rope = ctx.needs_input_grad[2], ctx.rope
@@ -194,10 +191,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     Raises:
         TypeError: x or weight in another dtype than bf16 / fp32 (e.g. fp16: the block GEMM has no fp16 output).
     """
-    if x.dtype not in BLOCK_DTYPES or weight.dtype not in BLOCK_DTYPES:
-        raise TypeError(f"Float8BlockScaling: x is {x.dtype} and the weight {weight.dtype}; the block-scaled GEMMs "
-                        "take bfloat16 or float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
-    check_x_q(x_q, torch.is_grad_enabled() and (weight.requires_grad or fuse_wgrad), "block_fp8_linear")
+    _check_entry(x, weight, x_q, fuse_wgrad, "block_fp8_linear")
     return BlockLinearFunction.apply(x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw, x_q)
 
 
@@ -209,11 +203,17 @@ def block_fp8_linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     [s, b, g, d])`` (:class:`BlockLinearQKV`; ``split = (g, hpg, d)`` per rank, ``weight`` ``[g * (hpg + 2) * d,
     K]`` in the grouped layout of :mod:`fp8engine.ops.qkv`, ``freqs`` rotary angles ``[s, 1, 1, r]`` or None).
     Arguments and errors otherwise as :func:`block_fp8_linear`; ``x`` is ``[s, b, K]``."""
+    _check_entry(x, weight, x_q, fuse_wgrad, "block_fp8_linear_qkv")
+    return BlockLinearQKV.apply(x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw, x_q, tuple(split), freqs)
+
+
+def _check_entry(x: torch.Tensor, weight: torch.Tensor, x_q: Optional[tuple], fuse_wgrad: bool, op: str) -> None:
+    """The modules' entry points' checks: bf16 / fp32 operands, and an already cast input with its transpose when a
+    wgrad will run."""
     if x.dtype not in BLOCK_DTYPES or weight.dtype not in BLOCK_DTYPES:
         raise TypeError(f"Float8BlockScaling: x is {x.dtype} and the weight {weight.dtype}; the block-scaled GEMMs "
                         "take bfloat16 or float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
-    check_x_q(x_q, torch.is_grad_enabled() and (weight.requires_grad or fuse_wgrad), "block_fp8_linear_qkv")
-    return BlockLinearQKV.apply(x, weight, bias, quantizers, w_q, fuse_wgrad, use_hw, x_q, tuple(split), freqs)
+    check_x_q(x_q, torch.is_grad_enabled() and (weight.requires_grad or fuse_wgrad), op)
 
 
 def check_x_q(x_q: Optional[tuple], wgrad: bool, op: str) -> None:

@@ -46,11 +46,11 @@ def _run(fused: bool, use_kernel: bool, rope: bool, bias: bool, s=24, b=3, k=128
 def test_fused_equals_composed(use_kernel, rope, bias, monkeypatch):
     if use_kernel is False and DEV == "cuda":
         pytest.skip("the reference path is the CPU's")
-    import fp8engine.kernels.qkv_grad as kq
+    import fp8engine.ops.block_linear as op_module
 
     calls = []
-    real = kq.qkv_grad_1x128
-    monkeypatch.setattr(kq, "qkv_grad_1x128", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = op_module.qkv_grad_1x128
+    monkeypatch.setattr(op_module, "qkv_grad_1x128", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = _run(True, use_kernel, rope, bias)
     assert len(calls) == int(use_kernel), "the fused gradient cast runs exactly on the kernel path"
     want = _run(False, use_kernel, rope, bias)
