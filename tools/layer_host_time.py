@@ -171,7 +171,7 @@ def _sections(layer, x, dy, recipe, args) -> None:
     acc, calls = collections.defaultdict(float), collections.Counter()
     targets = [(fused, name, name) for name in ("norm_fwd", "fp8_fprop", "split_rotate", "_node_fwd",
                                                    "fc1_fprop_act", "dgrad_wgrad", "act_bwd_cast", "norm_bwd",
-                                                   "qkv_grad_fp8", "_node_bwd", "_dropout_fwd")]
+                                                   "qkv_grad_fp8", "_node_bwd", "_dropout_fwd", "sdpa_fwd", "sdpa_bwd")]
     targets += [(fused._FP8TransformerLayer, "forward", "fused step forward (all of it)"),
                 (fused._FP8TransformerLayer, "backward", "fused step backward (all of it)"),
                 (TransformerLayer, "_fused_plan", "layer plan (weight casts included)"),

@@ -17,8 +17,10 @@ Forward (``[s, b, h]`` in, out; TransformerEngine's GEMM names):
 2. q, k, v: views of ``qkv`` in the grouped layout (:mod:`fp8engine.ops.qkv`), rotary embedding on q and k (with
    the kernels: one pass from ``qkv``, :func:`fp8engine.kernels.rotary.rope_qk`; else
    :func:`fp8engine.ops.rotary.rope_fwd`),
-   ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch picks the backend: cuDNN / flash / memory
-   efficient on CUDA, flash on CPU; its own autograd node, replayed in backward);
+   attention by the backend ``torch.nn.functional.scaled_dot_product_attention`` picks (cuDNN / flash / memory
+   efficient on CUDA, flash on CPU): for cuDNN and flash its ATen op called directly and its backward op called in
+   this op's backward (:mod:`fp8engine.ops.sdpa`: no autograd node of its own); otherwise (dropout, GQA, other
+   backends) SDPA as its own autograd node, replayed in backward;
 3. the attention output cast to FP8 -> proj fprop ``a = ctx @ Wproj.T + bproj``;
 4. ``s2 = a + x`` and ``ln2 = norm2(s2)`` in one norm kernel, written in FP8 -> fc1 fprop (with the GELU epilogue
    where it applies) -> activation in FP8 -> fc2 fprop ``m``; the output is ``s2 + m``.
@@ -51,6 +53,7 @@ from fp8engine.ops.linear import dgrad_wgrad
 from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
 from fp8engine.ops.norm_linear import norm_bwd, norm_fwd
 from fp8engine.ops.qkv import qkv_grad_fp8, split_rotate
+from fp8engine.ops.sdpa import sdpa_bwd, sdpa_fwd
 
 __all__ = ["fused_layer", "LayerPlan"]
 
@@ -102,9 +105,16 @@ class _FP8TransformerLayer(torch.autograd.Function):
         q, k, v, rope = split_rotate(qkv.view(s, b, qkv.shape[-1]), p.split, p.rope)  # (the QKV op's rotation)
         q = q.reshape(s, b, g * hpg, d)
         cos, sin = rope if rope is not None else (None, None)
-        with p.rng() if p.rng is not None else contextlib.nullcontext():
-            o, attn_node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn),
-                                     [t.permute(1, 2, 0, 3) for t in (q, k, v)], grad)
+        qa, ka, va = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        direct = sdpa_fwd(qa, ka, va, p.attn["is_causal"], p.attn["dropout_p"], p.attn["enable_gqa"], grad)
+        if direct is not None:  # the fused backend's op called directly (ops.sdpa), its backward called in ours
+            o, attn_node = direct[0], (True, direct[1])
+        else:
+            with p.rng() if p.rng is not None else contextlib.nullcontext():
+                o, node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn),
+                                    [qa, ka, va], grad)
+            attn_node = (False, node)
+        del qa, ka, va
         del qkv, q, k, v
         # 3. output projection
         ctx_8 = p.proj.input.quantize(o.permute(2, 0, 1, 3).reshape(s * b, g * hpg * d), transpose=grad)
@@ -178,7 +188,8 @@ class _FP8TransformerLayer(torch.autograd.Function):
         # attention (SDPA's own backward), rotary, the QKV gradient cast from dq, dk, dv
         g, hpg, d = p.split
         do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
-        dq, dk, dv = (t.permute(2, 0, 1, 3) for t in _node_bwd(attn_node, do))
+        direct, node = attn_node
+        dq, dk, dv = (t.permute(2, 0, 1, 3) for t in (sdpa_bwd if direct else _node_bwd)(node, do))
         del do, dattn, attn_node
         dqkv_8, dbqkv = qkv_grad_fp8(dq.reshape(s, b, g, hpg, d), dk, dv, p.qkv.grad_output, hpg, transpose=True,
                                      dbias=has_bqkv and need[4], rope=None if cos is None else (cos, sin))

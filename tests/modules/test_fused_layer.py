@@ -118,6 +118,28 @@ def test_fused_step_attention_dropout_draws_as_composed():
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
+@pytest.mark.parametrize("kw, direct", [(dict(), True), (dict(attention_dropout=0.5), False),
+                                        (dict(num_gqa_groups=2), False)], ids=["plain", "dropout", "gqa"])
+def test_fused_step_calls_the_attention_ops_directly(kw, direct, monkeypatch):
+    """Without dropout or GQA the fused step calls the fused SDPA backend's ops itself (ops.sdpa, no autograd node
+    of their own); with them it records SDPA as a node (the results equal the composed layer's either way:
+    test_fused_step_equals_composed)."""
+    import fp8engine.ops.layer as layer_mod
+
+    calls = {"direct": 0, "node": 0}
+    real_direct, real_node = layer_mod.sdpa_bwd, layer_mod._node_bwd
+    monkeypatch.setattr(layer_mod, "sdpa_bwd", lambda *a: calls.__setitem__("direct", calls["direct"] + 1)
+                        or real_direct(*a))
+    monkeypatch.setattr(layer_mod, "_node_bwd", lambda *a: calls.__setitem__("node", calls["node"] + 1)
+                        or real_node(*a))
+    fused, _ = _pair(**kw)
+    x = torch.randn(S, B, H, requires_grad=True)
+    with fp8engine.autocast():
+        y = fused(x)
+    y.sum().backward()
+    assert calls == ({"direct": 1, "node": 0} if direct else {"direct": 0, "node": 1})
+
+
 def test_not_applicable_runs_the_composed_sublayers():
     """Separate q/k/v weights, block scaling, no FP8 region, a padding mask: no fused step where it does not apply;
     in eval mode under no_grad it applies (no backward state kept)."""
