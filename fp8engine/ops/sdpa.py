@@ -14,7 +14,9 @@ same kernels run on the same tensors:
 - cuDNN (CUDA): ``_scaled_dot_product_cudnn_attention`` / ``..._backward``;
 - flash (CUDA): ``_scaled_dot_product_flash_attention`` / ``..._backward`` (head dim a multiple of 8: SDPA would pad
   it first);
-- flash (CPU): ``_scaled_dot_product_flash_attention_for_cpu`` / ``..._backward``.
+- flash (CPU), float32 inputs: ``_scaled_dot_product_flash_attention_for_cpu`` / ``..._backward`` (its bf16 / fp16
+  kernel raised ``pack_vnni2 is only supported when avx512 is supported`` for a 128-token sequence on a host without
+  AVX-512, torch 2.11: the CPU runs of other dtypes keep SDPA's own handling).
 
 Everything else -- the math or memory-efficient backends, dropout (its RNG draws stay SDPA's), grouped-query
 ``enable_gqa``, an explicit ``scale`` or mask -- returns None from :func:`sdpa_fwd` and the caller records SDPA as
@@ -56,7 +58,7 @@ def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             r = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False)
             return r[0], (_FLASH, q, k, v, is_causal, r[:8]) if grad else None
         return None
-    if backend == _FLASH and q.device.type == "cpu":
+    if backend == _FLASH and q.device.type == "cpu" and q.dtype == torch.float32:
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)
         return out, (_FLASH, q, k, v, is_causal, (out, lse)) if grad else None
     return None
