@@ -54,8 +54,8 @@ def _store_t_1x128(yt, offs_m, offs_n, pid_m, M, M_OUT, NC, out_t_ptr, sinv_t_pt
     columns offs_m; see ``block_cast._store_1x128_t``), padding rows of y (columns of yt >= M) zeroed."""
     mask_t = (offs_n[:, None] < NC) & (offs_m[None, :] < M)
     yt = tl.where(mask_t, yt, 0.0)
-    _store_1x128_t(yt, tl.max(_masked_abs(yt, mask_t), axis=1), offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr,
-                   sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2, True)
+    _store_1x128_t(yt, _masked_abs(yt, mask_t), offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX,
+                   IS_E4M3, CVT, POW2, True)
 
 
 @triton.jit
@@ -122,17 +122,16 @@ def _block_act_bwd_kernel(
         nc = 2 * N
     else:
         nc = N
-    # (the column sums: the bias gradient's partials, reduced with the transposed tiles' amaxes)
-    col_sum = _store_tile_1x128(dx, offs_m, offs_n, pid_m, pid_n, M, M_OUT, nc, dx8_ptr, sinv_ptr, dx8t_ptr,
-                                sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T, HAS_DBIAS)
-    part = dbias_part_ptr + pid_m.to(tl.int64) * nc
-    if HAS_DBIAS:
-        tl.store(part + offs_n, col_sum, mask=offs_n < N)
+    _store_tile_1x128(dx, offs_m, offs_n, pid_m, pid_n, M, M_OUT, nc, dx8_ptr, sinv_ptr, dx8t_ptr, sinv_t_ptr,
+                      FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T)
     if ACT == 2:
-        col_sum = _store_tile_1x128(du, offs_m, offs_n + N, pid_m, pid_n + N // BLOCK, M, M_OUT, nc, dx8_ptr,
-                                    sinv_ptr, dx8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T, HAS_DBIAS)
-        if HAS_DBIAS:
-            tl.store(part + N + offs_n, col_sum, mask=offs_n < N)
+        _store_tile_1x128(du, offs_m, offs_n + N, pid_m, pid_n + N // BLOCK, M, M_OUT, nc, dx8_ptr, sinv_ptr,
+                          dx8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T)
+    if HAS_DBIAS:
+        part = dbias_part_ptr + pid_m.to(tl.int64) * nc
+        tl.store(part + offs_n, tl.sum(tl.where(mask, dx, 0.0), axis=0), mask=offs_n < N)
+        if ACT == 2:
+            tl.store(part + N + offs_n, tl.sum(tl.where(mask, du, 0.0), axis=0), mask=offs_n < N)
 
 
 def _kind(kind: str, op: str) -> int:

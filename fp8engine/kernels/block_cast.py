@@ -109,15 +109,9 @@ def _store_1x128_rows(
 
 
 @triton.jit
-def _max_and_sum(m1, s1, m2, s2):
-    """Combine of ``tl.reduce((|y|, y), ...)``: the column amax and the column sum in one reduction."""
-    return tl.maximum(m1, m2), s1 + s2
-
-
-@triton.jit
 def _store_1x128_t(
     y,  # fp32 [BLOCK, BLOCK] tile of y [M, K]: as loaded, y^T (rows offs_k, columns offs_m) if TRANSPOSED, else y
-    amax_t,  # [BLOCK] fp32: max |y| over each column of y (each row of y^T), NaN as +inf (see _masked_abs)
+    a,  # |y| as in _store_1x128_rows
     offs_m,
     offs_k,
     mb,  # index of the tile row of y (offs_m // BLOCK)
@@ -140,10 +134,11 @@ def _store_1x128_t(
     register tile (two inputs to re-read: 0.91 against 0.74 ms at (8192, 16384) GELU)."""
     rows = offs_m.to(tl.int64)
     cols = offs_k.to(tl.int64)
-    s_col = _block_scale(amax_t, FP8_MAX, POW2)
     if TRANSPOSED:
+        s_col = _block_scale(tl.max(a, axis=1), FP8_MAX, POW2)
         bt = _quantize(y, s_col[:, None], FP8_MAX, IS_E4M3, CVT)
     else:
+        s_col = _block_scale(tl.max(a, axis=0), FP8_MAX, POW2)
         bt = tl.trans(_quantize(y, s_col[None, :], FP8_MAX, IS_E4M3, CVT))
     mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
     tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], bt, mask=mask_t)
@@ -154,27 +149,18 @@ def _store_1x128_t(
 @triton.jit
 def _store_tile_1x128(y, offs_m, offs_n, pid_m, kb, M, M_OUT, NC, out_ptr, sinv_ptr, out_t_ptr, sinv_t_ptr,
                       FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, CVT: tl.constexpr, POW2: tl.constexpr,
-                      WRITE_T: tl.constexpr, COL_SUM: tl.constexpr = False):
+                      WRITE_T: tl.constexpr):
     """Zero the padding rows (>= M) of the fp32 tile ``y`` (rows offs_m, columns offs_n of an [M_OUT, NC] matrix,
     tile column ``kb``) and store it 1 x 128-tiled; with WRITE_T also its re-tiled transpose from this register
     tile (:func:`_store_1x128_t` untransposed: the activation backward and the QKV-gradient gather, where
-    recomputing the tile transposed costs more). COL_SUM: return the tile's fp32 column sums ``[BLOCK]`` (the bias
-    gradient's partials; with WRITE_T reduced together with the column amaxes, one cross-warp reduction for both)."""
+    recomputing the tile transposed costs more)."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < NC)
     y = tl.where(mask, y, 0.0)
     a = _masked_abs(y, mask)
     _store_1x128_rows(y, a, offs_m, offs_n, kb, M_OUT, NC, out_ptr, sinv_ptr, FP8_MAX, IS_E4M3, CVT, POW2)
     if WRITE_T:
-        if COL_SUM:
-            amax_t, col_sum = tl.reduce((a, y), 0, _max_and_sum)
-        else:
-            amax_t = tl.max(a, axis=0)
-        _store_1x128_t(y, amax_t, offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT,
-                       POW2, False)
-    elif COL_SUM:
-        col_sum = tl.sum(y, axis=0)
-    if COL_SUM:
-        return col_sum
+        _store_1x128_t(y, a, offs_m, offs_n, pid_m, M_OUT, NC, out_t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2,
+                       False)
 
 
 @triton.jit
@@ -213,8 +199,8 @@ def _block_cast_kernel(
         if WRITE_T:  # the same tile read again, transposed (see _store_1x128_t)
             mask_t = (offs_k[:, None] < K) & (offs_m[None, :] < M)
             xt = tl.load(x_ptr + rows[None, :] * K + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
-            _store_1x128_t(xt, tl.max(_masked_abs(xt, mask_t), axis=1), offs_m, offs_k, pid_m, M, K, out_t_ptr,
-                           sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2, True)
+            _store_1x128_t(xt, _masked_abs(xt, mask_t), offs_m, offs_k, pid_m, M, K, out_t_ptr, sinv_t_ptr, FP8_MAX,
+                           IS_E4M3, CVT, POW2, True)
     else:
         s = _block_scale(tl.max(tl.max(a, axis=1), axis=0), FP8_MAX, POW2)
         b = _quantize(x, s, FP8_MAX, IS_E4M3, CVT)

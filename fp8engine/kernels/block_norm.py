@@ -167,8 +167,8 @@ def _block_norm_t_kernel(
     if HAS_BIAS:
         y = y + tl.load(b_ptr + offs_n, mask=cmask, other=0.0).to(tl.float32)[:, None]
     y = tl.where(mask, y, 0.0)
-    _store_1x128_t(y, tl.max(_masked_abs(y, mask), axis=1), offs_m, offs_n, pid_m, M_OUT, N, y8t_ptr, sinv_t_ptr,
-                   FP8_MAX, IS_E4M3, CVT, POW2, True)
+    _store_1x128_t(y, _masked_abs(y, mask), offs_m, offs_n, pid_m, M_OUT, N, y8t_ptr, sinv_t_ptr, FP8_MAX, IS_E4M3,
+                   CVT, POW2, True)
 
 
 def _check_vec(v, name, n, x, op):

@@ -214,11 +214,10 @@ def _qkv_grad_1x128_kernel(
                          sk_b, sk_g, sk_d, sv_s, sv_b, sv_g, sv_d, cos_ptr, sin_ptr, HPG, HEAD_DIM, CVT, R
                          ).to(tl.float32)
     # padding rows (>= T) are 0: amax 0, scale 1, zero bits (as the cast of padded rows)
-    # (the column sums: the bias gradient's partials, reduced with the transposed tiles' amaxes)
-    col_sum = _store_tile_1x128(x, offs_m, offs_n, pid_m, pid_n, T, T_OUT, C, out_ptr, sinv_ptr, out_t_ptr,
-                                sinv_t_ptr, FP8_MAX, IS_E4M3, CVT, POW2, WRITE_T, HAS_DBIAS)
+    _store_tile_1x128(x, offs_m, offs_n, pid_m, pid_n, T, T_OUT, C, out_ptr, sinv_ptr, out_t_ptr, sinv_t_ptr, FP8_MAX,
+                      IS_E4M3, CVT, POW2, WRITE_T)
     if HAS_DBIAS:
-        tl.store(dbias_part_ptr + pid_m.to(tl.int64) * C + offs_n, col_sum, mask=offs_n < C)
+        tl.store(dbias_part_ptr + pid_m.to(tl.int64) * C + offs_n, tl.sum(x, axis=0), mask=offs_n < C)
 
 
 # ----------------------------------------------------------------------------------------------------------------
