@@ -24,7 +24,7 @@ import itertools
 
 import torch
 
-from ._common import cdiv, check_launchable, launch, next_power_of_2, tl, triton
+from ._common import check_launchable, launch, next_power_of_2, tl, triton
 
 __all__ = ["delayed_scaling_update", "delayed_scaling_update_reference"]
 
