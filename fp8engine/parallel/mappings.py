@@ -143,37 +143,29 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return dy, None
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
-    @staticmethod
+def _conjugate(name: str, fwd, bwd) -> type:
+    """An autograd.Function running ``fwd(x, group)`` in forward and ``bwd(dy, group)`` in backward (the pair of
+    collectives Megatron's mappings pair up); a view of ``x`` on a group of one."""
+
     def forward(ctx, x, group):
         ctx.group = group
-        return _split_along_last_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
+        return fwd(x, group) if get_group_size(group) > 1 else x.view_as(x)
 
-    @staticmethod
     def backward(ctx, dy):
-        return _gather_along_last_dim(dy, ctx.group), None
+        return bwd(dy, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                    "backward": staticmethod(backward), "__module__": __name__})
 
 
-class _GatherFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_along_last_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _split_along_last_dim(dy, ctx.group), None
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_along_first_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _gather_along_first_dim(dy, ctx.group), None
+_ScatterToModelParallelRegion = _conjugate("_ScatterToModelParallelRegion", _split_along_last_dim,
+                                           _gather_along_last_dim)
+_GatherFromModelParallelRegion = _conjugate("_GatherFromModelParallelRegion", _gather_along_last_dim,
+                                            _split_along_last_dim)
+_ScatterToSequenceParallelRegion = _conjugate("_ScatterToSequenceParallelRegion", _split_along_first_dim,
+                                              _gather_along_first_dim)
+_AllGatherLastDim = _conjugate("_AllGatherLastDim", _gather_along_last_dim, _reduce_scatter_along_last_dim)
+_ReduceScatterLastDim = _conjugate("_ReduceScatterLastDim", _reduce_scatter_along_last_dim, _gather_along_last_dim)
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -203,28 +195,6 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return _gather_along_first_dim(dy, ctx.group, ctx.split_sizes), None, None
-
-
-class _AllGatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_along_last_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _reduce_scatter_along_last_dim(dy, ctx.group), None
-
-
-class _ReduceScatterLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_along_last_dim(x, group) if get_group_size(group) > 1 else x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _gather_along_last_dim(dy, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):
