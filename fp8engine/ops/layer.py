@@ -42,12 +42,10 @@ the unfused MLP (``LayerNormMLP.fused=False``).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.ops.gemm import fp8_fprop
 from fp8engine.ops.linear import dgrad_wgrad
 from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
@@ -105,17 +103,18 @@ class _FP8TransformerLayer(torch.autograd.Function):
         q, k, v, rope = split_rotate(qkv.view(s, b, qkv.shape[-1]), p.split, p.rope)  # (the QKV op's rotation)
         q = q.reshape(s, b, g * hpg, d)
         cos, sin = rope if rope is not None else (None, None)
-        qa, ka, va = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        direct = sdpa_fwd(qa, ka, va, p.attn["is_causal"], p.attn["dropout_p"], p.attn["enable_gqa"], grad)
-        if direct is not None:  # the fused backend's op called directly (ops.sdpa), its backward called in ours
-            o, attn_node = direct[0], (True, direct[1])
+        qkv_a = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+        # attn_node: (backward function, what it takes): the fused backend's ops called directly (ops.sdpa), else
+        # SDPA recorded as a node
+        direct = sdpa_fwd(*qkv_a, p.attn["is_causal"], p.attn["dropout_p"], p.attn["enable_gqa"], grad)
+        if direct is not None:
+            o, attn_node = direct[0], (sdpa_bwd, direct[1])
         else:
             with p.rng() if p.rng is not None else contextlib.nullcontext():
-                o, node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn),
-                                    [qa, ka, va], grad)
-            attn_node = (False, node)
-        del qa, ka, va
-        del qkv, q, k, v
+                o, node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn), qkv_a,
+                                    grad)
+            attn_node = (_node_bwd, node)
+        del qkv, q, k, v, qkv_a
         # 3. output projection
         ctx_8 = p.proj.input.quantize(o.permute(2, 0, 1, 3).reshape(s * b, g * hpg * d), transpose=grad)
         a = fp8_fprop(ctx_8, wp8, dt, b_proj)
@@ -185,11 +184,11 @@ class _FP8TransformerLayer(torch.autograd.Function):
         del da, a_drop
         dattn, dwp = dgrad_wgrad(dp_8, wp_t, ctx_t, w_proj, fuse)
         del dp_8, wp_t, ctx_t
-        # attention (SDPA's own backward), rotary, the QKV gradient cast from dq, dk, dv
+        # attention's backward (the backend's backward op, or SDPA's node), the QKV gradient cast from dq, dk, dv
         g, hpg, d = p.split
         do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
-        direct, node = attn_node
-        dq, dk, dv = (t.permute(2, 0, 1, 3) for t in (sdpa_bwd if direct else _node_bwd)(node, do))
+        attn_bwd, node = attn_node
+        dq, dk, dv = (t.permute(2, 0, 1, 3) for t in attn_bwd(node, do))
         del do, dattn, attn_node
         dqkv_8, dbqkv = qkv_grad_fp8(dq.reshape(s, b, g, hpg, d), dk, dv, p.qkv.grad_output, hpg, transpose=True,
                                      dbias=has_bqkv and need[4], rope=None if cos is None else (cos, sin))

@@ -19,8 +19,8 @@ same kernels run on the same tensors:
   AVX-512, torch 2.11: the CPU runs of other dtypes keep SDPA's own handling).
 
 Everything else -- the math or memory-efficient backends, dropout (its RNG draws stay SDPA's), grouped-query
-``enable_gqa``, an explicit ``scale`` or mask -- returns None from :func:`sdpa_fwd` and the caller records SDPA as
-an autograd node instead. Numerics: equal to SDPA's (same op, same arguments); the CPU tests compare bits.
+``enable_gqa`` -- returns None from :func:`sdpa_fwd` and the caller records SDPA as an autograd node instead (an
+explicit ``scale`` or mask is not taken here: the fused layer step has neither). Numerics: equal to SDPA's (same op, same arguments); the CPU tests compare bits.
 """
 from __future__ import annotations
 
