@@ -27,6 +27,7 @@ propagate NaN on GPUs, this makes the result defined; the delayed-scaling update
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import os
 
@@ -104,6 +105,9 @@ FAST_LAUNCH = os.environ.get("FP8ENGINE_FAST_LAUNCH", "1") != "0"
 #: (id(kernel), device, meta, per-argument specialization) -> (kernel, run, function, packed_metadata, trailing
 #: constexprs), or False where the kernel's signature does not allow the direct call (see :func:`_direct_entry`).
 _LAUNCHES: dict = {}
+#: The :class:`fp8engine.ops.replay.Recorder` recording the running step, or None (launches and cuBLASLt calls
+#: report themselves to it).
+RECORDER: contextvars.ContextVar = contextvars.ContextVar("fp8engine_recorder", default=None)
 _INT32 = (-(2**31), 2**31 - 1)
 _Tensor = torch.Tensor
 
@@ -165,18 +169,34 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     ones call its launcher on the current stream directly. ``meta``: the constexpr and launch options
     (``num_warps``), by keyword. Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by its
     profiler) are not called on the direct path; ``FP8ENGINE_FAST_LAUNCH=0`` turns it off. Under
-    ``TRITON_INTERPRET=1`` every launch goes through the interpreter.
+    ``TRITON_INTERPRET=1`` every launch goes through the interpreter. While a step is recorded for replay
+    (:mod:`fp8engine.ops.replay`: ``RECORDER`` set) the recorder launches and records it.
     """
-    if not FAST_LAUNCH or interpreting():
-        kernel[grid](*args, **meta)
+    recorder = RECORDER.get()
+    if recorder is not None:
+        recorder.launch(kernel, grid, args, meta)
         return
-    device = torch._C._cuda_getDevice()  # the device Triton launches on (torch.cuda.current_device())
+    launch_now(kernel, grid, args, meta)
+
+
+def _launch_key(kernel, device: int, args: tuple, meta: dict) -> tuple:
+    """``(key, ptrs)``: the direct-launch cache key of :func:`launch` and each tensor argument as its pointer."""
     # one pass over the arguments: the specialization key and, for the direct call, each tensor as its pointer
     # (the launcher takes an int for a pointer argument and skips its own data_ptr() call). The kernel is keyed by
     # id (JITFunction's __hash__ is Python code) and checked by identity on a hit (an id can be reused).
     ptrs = [a.data_ptr() if isinstance(a, _Tensor) else a for a in args]
     key = (id(kernel), device, tuple(meta.items()),
            tuple([(a.dtype, not p & 15) if isinstance(a, _Tensor) else _arg_key(a) for a, p in zip(args, ptrs)]))
+    return key, ptrs
+
+
+def launch_now(kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    """:func:`launch` without the recorder check (what a recorder and a replay call)."""
+    if not FAST_LAUNCH or interpreting():
+        kernel[grid](*args, **meta)
+        return
+    device = torch._C._cuda_getDevice()  # the device Triton launches on (torch.cuda.current_device())
+    key, ptrs = _launch_key(kernel, device, args, meta)
     hit = _LAUNCHES.get(key)
     if not hit or hit[0] is not kernel:
         compiled = kernel[grid](*args, **meta)
@@ -188,6 +208,17 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     n = len(grid)
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
         function, packed, None, None, None, *ptrs, *tail)
+
+
+def launch_entry(kernel, args: tuple, meta: dict):
+    """``(run, function, packed_metadata, trailing constexprs)`` of the compiled launcher :func:`launch` calls
+    for this kernel and argument specialization once it has launched, or None (interpreter, ``FAST_LAUNCH`` off,
+    or a signature the direct call does not take)."""
+    if not FAST_LAUNCH or interpreting():
+        return None
+    key, _ = _launch_key(kernel, torch._C._cuda_getDevice(), args, meta)
+    hit = _LAUNCHES.get(key)
+    return tuple(hit[1:]) if hit and hit[0] is kernel else None
 
 
 # ----------------------------------------------------------------------------------------------------------------

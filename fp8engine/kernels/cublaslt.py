@@ -32,6 +32,8 @@ from typing import Optional
 
 import torch
 
+from fp8engine.kernels import _common
+
 __all__ = ["available", "scaled_mm_accumulate", "scaled_mm", "scaled_mm_bias_gelu", "CublasLtError",
            "CublasLtUnsupported"]
 
@@ -271,8 +273,18 @@ def _check_operands(a, a_scale_inv, b, b_scale_inv, out, what: str) -> tuple[int
     return m, n, k
 
 
-def _launch(a, a_scale_inv, b, b_scale_inv, out, *, accumulate: bool, fast_accum: bool, algo_index: int,
-            epilogue: int = _EPILOGUE_DEFAULT, hp_type: Optional[int] = None, pointers: tuple = ()) -> None:
+def _launch(a, a_scale_inv, b, b_scale_inv, out, **kw) -> None:
+    """:func:`_launch_now`, or, while a step is recorded for replay (:mod:`fp8engine.ops.replay`), through the
+    recorder, which records it as one op."""
+    recorder = _common.RECORDER.get()
+    if recorder is not None:
+        recorder.call(_launch_now, a, a_scale_inv, b, b_scale_inv, out, **kw)
+    else:
+        _launch_now(a, a_scale_inv, b, b_scale_inv, out, **kw)
+
+
+def _launch_now(a, a_scale_inv, b, b_scale_inv, out, *, accumulate: bool, fast_accum: bool, algo_index: int,
+                epilogue: int = _EPILOGUE_DEFAULT, hp_type: Optional[int] = None, pointers: tuple = ()) -> None:
     """Run the cached plan of this configuration on the current stream. ``pointers``: extra (attribute, tensor)
     pairs whose device pointers are set on the descriptor for this call (bias, aux, D scale, amax)."""
     ctx = _get_context()

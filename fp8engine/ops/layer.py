@@ -42,6 +42,7 @@ the unfused MLP (``LayerNormMLP.fused=False``).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,7 @@ from fp8engine.ops.gemm import fp8_fprop
 from fp8engine.ops.linear import dgrad_wgrad
 from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
 from fp8engine.ops.norm_linear import norm_bwd, norm_fwd
+from fp8engine.ops import replay
 from fp8engine.ops.qkv import qkv_grad_fp8, split_rotate
 from fp8engine.ops.sdpa import sdpa_bwd, sdpa_fwd
 
@@ -68,141 +70,236 @@ class LayerPlan:
     """
 
     __slots__ = ("qkv", "proj", "fc1", "fc2", "w_fp8", "split", "rope", "attn", "rng", "norm1", "norm2", "kind",
-                 "fuse_wgrad", "gelu_epilogue", "hidden_dropout")
+                 "fuse_wgrad", "gelu_epilogue", "hidden_dropout", "replay")
 
     def __init__(self, **kw):
+        kw.setdefault("replay", None)  # set by fused_layer: the replay configuration key, or None
         for name in self.__slots__:
             setattr(self, name, kw[name])
 
 
+#: ``FP8ENGINE_REPLAY=0`` turns the replay of recorded steps off (read at import).
+REPLAY = os.environ.get("FP8ENGINE_REPLAY", "1") != "0"
+#: Recordings started per configuration before it is given up (a recorded forward whose backward never runs,
+#: e.g. a loss not back-propagated, leaves its configuration unrecorded).
+_MAX_RECORDINGS = 3
+#: Configurations kept; more and the cache starts over.
+_MAX_PROGRAMS = 256
+#: replay key -> :class:`~fp8engine.ops.replay.Pair` (replayed), the number of recordings started, or the reason
+#: the configuration is not replayed (str).
+_PROGRAMS: dict = {}
+
+
 class _FP8TransformerLayer(torch.autograd.Function):
-    """The layer step (module docstring); inputs ``x`` and the 12 parameters (None where absent), then the plan."""
+    """The layer step (module docstring); inputs ``x`` and the 12 parameters (None where absent), then the plan.
+
+    With ``p.replay`` set (:func:`fused_layer`), the first call of a configuration runs the Python below under a
+    :class:`~fp8engine.ops.replay.Recorder` (its forward and its backward) and later calls replay the recorded ops
+    (:mod:`fp8engine.ops.replay`): the same ops on the same tensors, without the Python between them."""
 
     @staticmethod
     def forward(ctx, x, ln1_w, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_w, ln2_b, w1, b1, w2, b2, p: LayerPlan):
-        s, b, h = x.shape
-        dt = x.dtype
-        wq8, wp8, w18, w28 = p.w_fp8
-        eps1, rms1, zc1 = p.norm1
-        eps2, rms2, zc2 = p.norm2
-        need = ctx.needs_input_grad
-        grad = any(need[:13])
-        x = x.contiguous()
-        # 1. input norm written in FP8 (its transpose is made when wgrad needs it), QKV fprop
-        _, ln1_8, mean1, rstd1, _ = norm_fwd(x, ln1_w, ln1_b, eps1, rms=rms1, zero_centered_gamma=zc1,
-                                             quantizer=p.qkv.input, transpose=grad, return_hp=False,
-                                             placeholder=False)
-        qkv = fp8_fprop(ln1_8, wq8, dt, b_qkv)
-        # backward keeps only the transposed FP8 layouts (dgrad: W^T, wgrad: X^T), made right after each GEMM and
-        # the row-major copies dropped, as the composed ops do (the transients of this forward stay as small)
-        keep = (lambda t: (t.transpose_2d(), t.scale_inv)) if grad else (lambda t: None)
-        t_ln1, t_wq = keep(ln1_8), keep(wq8)
-        del ln1_8
-        # 2. attention on the grouped views (rotary: new q, k), through PyTorch's SDPA with its own autograd node
-        g, hpg, d = p.split
-        q, k, v, rope = split_rotate(qkv.view(s, b, qkv.shape[-1]), p.split, p.rope)  # (the QKV op's rotation)
-        q = q.reshape(s, b, g * hpg, d)
-        cos, sin = rope if rope is not None else (None, None)
-        qkv_a = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
-        # attn_node: (backward function, what it takes): the fused backend's ops called directly (ops.sdpa), else
-        # SDPA recorded as a node
-        direct = sdpa_fwd(*qkv_a, p.attn["is_causal"], p.attn["dropout_p"], p.attn["enable_gqa"], grad)
-        if direct is not None:
-            o, attn_node = direct[0], (sdpa_bwd, direct[1])
-        else:
-            with p.rng() if p.rng is not None else contextlib.nullcontext():
-                o, node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn), qkv_a,
-                                    grad)
-            attn_node = (_node_bwd, node)
-        del qkv, q, k, v, qkv_a
-        # 3. output projection
-        ctx_8 = p.proj.input.quantize(o.permute(2, 0, 1, 3).reshape(s * b, g * hpg * d), transpose=grad)
-        a = fp8_fprop(ctx_8, wp8, dt, b_proj)
-        t_ctx, t_wp = keep(ctx_8), keep(wp8)
-        del ctx_8
-        a, a_drop = _dropout_fwd(a.view(s, b, h), p.hidden_dropout, grad)  # (the composed layer's order of draws)
-        # 4. residual add in norm2's kernel (s2 = a + x), MLP
-        _, ln2_8, mean2, rstd2, s2 = norm_fwd(a, ln2_w, ln2_b, eps2, rms=rms2, zero_centered_gamma=zc2,
-                                              quantizer=p.fc1.input, transpose=grad, return_hp=False, residual=x,
-                                              placeholder=False)
-        del a
-        hid, a8 = fc1_fprop_act(ln2_8, w18, b1, dt, p.kind, p.fc2.input, transpose=grad,
-                                gelu_epilogue=p.gelu_epilogue)
-        t_ln2, t_w1 = keep(ln2_8), keep(w18)
-        del ln2_8
-        m = fp8_fprop(a8, w28, dt, b2)
-        t_a, t_w2 = keep(a8), keep(w28)
-        del a8
-        p.w_fp8 = None  # the row-major FP8 weights are not needed again (the weight cache keeps its own)
-        m, m_drop = _dropout_fwd(m.view(s, b, h), p.hidden_dropout, grad)
-        out = s2 + m
-        if grad:
-            ctx.save_for_backward(x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2)
-            ctx.t = (t_ln1, t_wq, t_ctx, t_wp, t_ln2, t_w1, t_a, t_w2)
-            ctx.attn = attn_node
-            ctx.drop = (a_drop, m_drop)
-            ctx.hp = (mean1, rstd1, s2, mean2, rstd2, hid, cos, sin)
-            ctx.p = p
-            ctx.bias = (b_qkv is not None, b_proj is not None, ln2_b is not None, b1 is not None, b2 is not None,
-                        ln1_b is not None)
+        params = (ln1_w, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_w, ln2_b, w1, b1, w2, b2)
+        if p.replay is None:
+            return _forward(ctx, x, params, p)
+        inputs = _step_inputs(x, params, p)
+        key = (p.replay, tuple([replay.tensor_key(t) for t in inputs]), ctx.needs_input_grad)
+        state = _PROGRAMS.get(key, 0)
+        if type(state) is replay.Pair:
+            (out,), saved = state.forward(inputs)
+            ctx.save_for_backward(x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2)  # autograd's in-place checks, as below
+            ctx.replayed = (state, saved)
+            return out
+        if type(state) is not int or state >= _MAX_RECORDINGS:
+            return _forward(ctx, x, params, p)
+        if len(_PROGRAMS) >= _MAX_PROGRAMS:
+            _PROGRAMS.clear()
+        _PROGRAMS[key] = state + 1
+        rec = replay.Recorder(inputs)
+        with rec:
+            out = _forward(ctx, x, params, p)
+        try:
+            ctx.recording = (key, rec, rec.template((out,)))
+        except replay.RecordAbort as err:
+            _PROGRAMS[key] = f"not replayed: {err}"
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2 = ctx.saved_tensors
-        p = ctx.p
-        ln1_t, wq_t, ctx_t, wp_t, ln2_t, w1_t, a_t, w2_t = ctx.t
-        attn_node = ctx.attn
-        mean1, rstd1, s2, mean2, rstd2, hid, cos, sin = ctx.hp
-        has_bqkv, has_bp, has_ln2b, has_b1, has_b2, has_ln1b = ctx.bias
-        need = ctx.needs_input_grad
-        fuse = p.fuse_wgrad
-        a_drop, m_drop = ctx.drop
-        ctx.t = ctx.attn = ctx.hp = ctx.p = ctx.drop = None
-        s, b, h = dout.shape
-        dout = dout.contiguous()
-        # fc2, activation, fc1 (the MLP op's backward), behind the hidden dropout of the MLP branch
-        dm = _dropout_bwd(m_drop, dout)
-        dy_8, db2 = p.fc2.grad_output.quantize_dbias(dm.view(s * b, h), transpose=True, dbias=has_b2 and need[12])
-        del dm, m_drop
-        da, dw2 = dgrad_wgrad(dy_8, w2_t, a_t, w2, fuse)
-        # (each intermediate is dropped once used: autograd frees a node's buffers between the composed nodes)
-        del dy_8, w2_t, a_t
-        dh_8, db1 = act_bwd_cast(da, hid, p.kind, p.fc1.grad_output, transpose=True, dbias=has_b1 and need[10])
-        del da, hid
-        dln2, dw1 = dgrad_wgrad(dh_8, w1_t, ln2_t, w1, fuse)
-        del dh_8, w1_t, ln2_t
-        # norm2 with the residual's gradient added in the kernel: d s2 (= d a = d x through the residual)
-        eps2, rms2, zc2 = p.norm2
-        ds2, dln2_w, dln2_b = norm_bwd(dln2.view(s, b, h), s2, mean2, rstd2, ln2_w, rms=rms2,
-                                       zero_centered_gamma=zc2, has_bias=has_ln2b, dresidual=dout)
-        del dln2, s2, dout
-        # output projection, behind the hidden dropout of the attention branch
-        da = _dropout_bwd(a_drop, ds2)
-        dp_8, dbp = p.proj.grad_output.quantize_dbias(da.reshape(s * b, h), transpose=True,
-                                                      dbias=has_bp and need[6])
-        del da, a_drop
-        dattn, dwp = dgrad_wgrad(dp_8, wp_t, ctx_t, w_proj, fuse)
-        del dp_8, wp_t, ctx_t
-        # attention's backward (the backend's backward op, or SDPA's node), the QKV gradient cast from dq, dk, dv
-        g, hpg, d = p.split
-        do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
-        attn_bwd, node = attn_node
-        dq, dk, dv = (t.permute(2, 0, 1, 3) for t in attn_bwd(node, do))
-        del do, dattn, attn_node
-        dqkv_8, dbqkv = qkv_grad_fp8(dq.reshape(s, b, g, hpg, d), dk, dv, p.qkv.grad_output, hpg, transpose=True,
-                                     dbias=has_bqkv and need[4], rope=None if cos is None else (cos, sin))
-        del dq, dk, dv
-        dln1, dwq = dgrad_wgrad(dqkv_8, wq_t, ln1_t, w_qkv, fuse)
-        del dqkv_8, wq_t, ln1_t
-        # input norm, with the gradient that reached x through the residual (ds2) added in the kernel
-        eps1, rms1, zc1 = p.norm1
-        dx, dln1_w, dln1_b = norm_bwd(dln1.view(s, b, h), x, mean1, rstd1, ln1_w, rms=rms1, zero_centered_gamma=zc1,
-                                      has_bias=has_ln1b, dresidual=ds2)
-        dbqkv, dbp, db1, db2 = (t if t is None or t.dtype == w.dtype else t.to(w.dtype)
-                                for t, w in ((dbqkv, w_qkv), (dbp, w_proj), (db1, w1), (db2, w2)))
-        return (dx, dln1_w, dln1_b if need[2] else None, dwq, dbqkv, dwp, dbp, dln2_w,
-                dln2_b if need[8] else None, dw1, db1, dw2, db2, None)
+        if not dout.is_contiguous() or dout.data_ptr() & 255:  # (a replay takes what was recorded: contiguous,
+            dout = dout.clone(memory_format=torch.contiguous_format)  # 256-byte aligned, as a fresh tensor is)
+        replayed = getattr(ctx, "replayed", None)
+        if replayed is not None:
+            ctx.saved_tensors  # noqa: B018 -- autograd's check that no saved input was modified in place
+            program, saved = replayed
+            ctx.replayed = None
+            return program.backward((dout,), saved)
+        recording = getattr(ctx, "recording", None)
+        if recording is None:
+            return _backward(ctx, dout)
+        key, frec, fout = recording
+        ctx.recording = None
+        brec = replay.Recorder([dout], outer=frec)
+        with brec:
+            grads = _backward(ctx, dout)
+        try:
+            _PROGRAMS[key] = replay.Pair(frec, fout, brec, brec.template(grads))
+        except replay.RecordAbort as err:
+            _PROGRAMS[key] = f"not replayed: {err}"
+        return grads
+
+
+def _step_inputs(x, params: tuple, p: LayerPlan) -> list:
+    """Every tensor the step reads that it does not make: ``x``, the parameters, the FP8 weights, the scaling
+    state's views, the rotary angles (the replay's inputs, in a fixed order; None where absent)."""
+    inputs = [x, *params]
+    for w in p.w_fp8:
+        inputs += (w.data, w.scale_inv, w._data_t)
+    for gemm in (p.qkv, p.proj, p.fc1, p.fc2):
+        for q in gemm:
+            inputs += (q.scale, q.amax)
+    inputs.append(p.rope)
+    return inputs
+
+
+def _replay_config(p: LayerPlan):
+    """The non-tensor part of the replay key: what the step's Python branches on besides its input tensors, or
+    None where the step is not replayed (dropout: its RNG draws and autograd nodes; FP8 statistics recording:
+    its Python bookkeeping)."""
+    quantizers = [q for gemm in (p.qkv, p.proj, p.fc1, p.fc2) for q in gemm]
+    if p.hidden_dropout or p.attn["dropout_p"] or p.rng is not None or any(q.stats is not None for q in quantizers):
+        return None
+    return (tuple((q.fp8_dtype, q.kind) for q in quantizers), tuple(w.dtype for w in p.w_fp8), p.split,
+            tuple(sorted(p.attn.items())), p.norm1, p.norm2, p.kind, p.fuse_wgrad, p.gelu_epilogue)
+
+
+def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
+    """The layer step's forward (module docstring)."""
+    ln1_w, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_w, ln2_b, w1, b1, w2, b2 = params
+    s, b, h = x.shape
+    dt = x.dtype
+    wq8, wp8, w18, w28 = p.w_fp8
+    eps1, rms1, zc1 = p.norm1
+    eps2, rms2, zc2 = p.norm2
+    need = ctx.needs_input_grad
+    grad = any(need[:13])
+    x = x.contiguous()
+    # 1. input norm written in FP8 (its transpose is made when wgrad needs it), QKV fprop
+    _, ln1_8, mean1, rstd1, _ = norm_fwd(x, ln1_w, ln1_b, eps1, rms=rms1, zero_centered_gamma=zc1,
+                                         quantizer=p.qkv.input, transpose=grad, return_hp=False,
+                                         placeholder=False)
+    qkv = fp8_fprop(ln1_8, wq8, dt, b_qkv)
+    # backward keeps only the transposed FP8 layouts (dgrad: W^T, wgrad: X^T), made right after each GEMM and
+    # the row-major copies dropped, as the composed ops do (the transients of this forward stay as small)
+    keep = (lambda t: (t.transpose_2d(), t.scale_inv)) if grad else (lambda t: None)
+    t_ln1, t_wq = keep(ln1_8), keep(wq8)
+    del ln1_8
+    # 2. attention on the grouped views (rotary: new q, k), through PyTorch's SDPA with its own autograd node
+    g, hpg, d = p.split
+    q, k, v, rope = split_rotate(qkv.view(s, b, qkv.shape[-1]), p.split, p.rope)  # (the QKV op's rotation)
+    q = q.reshape(s, b, g * hpg, d)
+    cos, sin = rope if rope is not None else (None, None)
+    qkv_a = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+    # attn_node: (backward function, what it takes): the fused backend's ops called directly (ops.sdpa), else
+    # SDPA recorded as a node
+    direct = sdpa_fwd(*qkv_a, p.attn["is_causal"], p.attn["dropout_p"], p.attn["enable_gqa"], grad)
+    if direct is not None:
+        o, attn_node = direct[0], (sdpa_bwd, direct[1])
+    else:
+        with p.rng() if p.rng is not None else contextlib.nullcontext():
+            o, node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn), qkv_a,
+                                grad)
+        attn_node = (_node_bwd, node)
+    del qkv, q, k, v, qkv_a
+    # 3. output projection
+    ctx_8 = p.proj.input.quantize(o.permute(2, 0, 1, 3).reshape(s * b, g * hpg * d), transpose=grad)
+    a = fp8_fprop(ctx_8, wp8, dt, b_proj)
+    t_ctx, t_wp = keep(ctx_8), keep(wp8)
+    del ctx_8
+    a, a_drop = _dropout_fwd(a.view(s, b, h), p.hidden_dropout, grad)  # (the composed layer's order of draws)
+    # 4. residual add in norm2's kernel (s2 = a + x), MLP
+    _, ln2_8, mean2, rstd2, s2 = norm_fwd(a, ln2_w, ln2_b, eps2, rms=rms2, zero_centered_gamma=zc2,
+                                          quantizer=p.fc1.input, transpose=grad, return_hp=False, residual=x,
+                                          placeholder=False)
+    del a
+    hid, a8 = fc1_fprop_act(ln2_8, w18, b1, dt, p.kind, p.fc2.input, transpose=grad,
+                            gelu_epilogue=p.gelu_epilogue)
+    t_ln2, t_w1 = keep(ln2_8), keep(w18)
+    del ln2_8
+    m = fp8_fprop(a8, w28, dt, b2)
+    t_a, t_w2 = keep(a8), keep(w28)
+    del a8
+    p.w_fp8 = None  # the row-major FP8 weights are not needed again (the weight cache keeps its own)
+    m, m_drop = _dropout_fwd(m.view(s, b, h), p.hidden_dropout, grad)
+    out = s2 + m
+    if grad:
+        ctx.save_for_backward(x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2)
+        ctx.t = (t_ln1, t_wq, t_ctx, t_wp, t_ln2, t_w1, t_a, t_w2)
+        ctx.attn = attn_node
+        ctx.drop = (a_drop, m_drop)
+        ctx.hp = (mean1, rstd1, s2, mean2, rstd2, hid, cos, sin)
+        ctx.p = p
+        ctx.bias = (b_qkv is not None, b_proj is not None, ln2_b is not None, b1 is not None, b2 is not None,
+                    ln1_b is not None)
+    return out
+
+
+def _backward(ctx, dout) -> tuple:
+    """The layer step's backward (module docstring): the gradients of ``x``, the 12 parameters and the plan."""
+    x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2 = ctx.saved_tensors
+    p = ctx.p
+    ln1_t, wq_t, ctx_t, wp_t, ln2_t, w1_t, a_t, w2_t = ctx.t
+    attn_node = ctx.attn
+    mean1, rstd1, s2, mean2, rstd2, hid, cos, sin = ctx.hp
+    has_bqkv, has_bp, has_ln2b, has_b1, has_b2, has_ln1b = ctx.bias
+    need = ctx.needs_input_grad
+    fuse = p.fuse_wgrad
+    a_drop, m_drop = ctx.drop
+    ctx.t = ctx.attn = ctx.hp = ctx.p = ctx.drop = None
+    s, b, h = dout.shape
+    dout = dout.contiguous()
+    # fc2, activation, fc1 (the MLP op's backward), behind the hidden dropout of the MLP branch
+    dm = _dropout_bwd(m_drop, dout)
+    dy_8, db2 = p.fc2.grad_output.quantize_dbias(dm.view(s * b, h), transpose=True, dbias=has_b2 and need[12])
+    del dm, m_drop
+    da, dw2 = dgrad_wgrad(dy_8, w2_t, a_t, w2, fuse)
+    # (each intermediate is dropped once used: autograd frees a node's buffers between the composed nodes)
+    del dy_8, w2_t, a_t
+    dh_8, db1 = act_bwd_cast(da, hid, p.kind, p.fc1.grad_output, transpose=True, dbias=has_b1 and need[10])
+    del da, hid
+    dln2, dw1 = dgrad_wgrad(dh_8, w1_t, ln2_t, w1, fuse)
+    del dh_8, w1_t, ln2_t
+    # norm2 with the residual's gradient added in the kernel: d s2 (= d a = d x through the residual)
+    eps2, rms2, zc2 = p.norm2
+    ds2, dln2_w, dln2_b = norm_bwd(dln2.view(s, b, h), s2, mean2, rstd2, ln2_w, rms=rms2,
+                                   zero_centered_gamma=zc2, has_bias=has_ln2b, dresidual=dout)
+    del dln2, s2, dout
+    # output projection, behind the hidden dropout of the attention branch
+    da = _dropout_bwd(a_drop, ds2)
+    dp_8, dbp = p.proj.grad_output.quantize_dbias(da.reshape(s * b, h), transpose=True,
+                                                  dbias=has_bp and need[6])
+    del da, a_drop
+    dattn, dwp = dgrad_wgrad(dp_8, wp_t, ctx_t, w_proj, fuse)
+    del dp_8, wp_t, ctx_t
+    # attention's backward (the backend's backward op, or SDPA's node), the QKV gradient cast from dq, dk, dv
+    g, hpg, d = p.split
+    do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
+    attn_bwd, node = attn_node
+    dq, dk, dv = (t.permute(2, 0, 1, 3) for t in attn_bwd(node, do))
+    del do, dattn, attn_node
+    dqkv_8, dbqkv = qkv_grad_fp8(dq.reshape(s, b, g, hpg, d), dk, dv, p.qkv.grad_output, hpg, transpose=True,
+                                 dbias=has_bqkv and need[4], rope=None if cos is None else (cos, sin))
+    del dq, dk, dv
+    dln1, dwq = dgrad_wgrad(dqkv_8, wq_t, ln1_t, w_qkv, fuse)
+    del dqkv_8, wq_t, ln1_t
+    # input norm, with the gradient that reached x through the residual (ds2) added in the kernel
+    eps1, rms1, zc1 = p.norm1
+    dx, dln1_w, dln1_b = norm_bwd(dln1.view(s, b, h), x, mean1, rstd1, ln1_w, rms=rms1, zero_centered_gamma=zc1,
+                                  has_bias=has_ln1b, dresidual=ds2)
+    dbqkv, dbp, db1, db2 = (t if t is None or t.dtype == w.dtype else t.to(w.dtype)
+                            for t, w in ((dbqkv, w_qkv), (dbp, w_proj), (db1, w1), (db2, w2)))
+    return (dx, dln1_w, dln1_b if need[2] else None, dwq, dbqkv, dwp, dbp, dln2_w,
+            dln2_b if need[8] else None, dw1, db1, dw2, db2, None)
 
 
 def _node_fwd(fn, inputs: list, grad: bool):
@@ -248,4 +345,5 @@ def fused_layer(x: torch.Tensor, params: tuple, plan: LayerPlan) -> torch.Tensor
     Returns:
         ``[s, b, h]`` in ``x.dtype``.
     """
+    plan.replay = _replay_config(plan) if REPLAY and torch.is_grad_enabled() else None
     return _FP8TransformerLayer.apply(x, *params, plan)

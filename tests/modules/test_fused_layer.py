@@ -126,6 +126,7 @@ def test_fused_step_calls_the_attention_ops_directly(kw, direct, monkeypatch):
     test_fused_step_equals_composed)."""
     import fp8engine.ops.layer as layer_mod
 
+    monkeypatch.setattr(layer_mod, "REPLAY", False)  # the ordinary Python's calls (a replay runs the ATen ops)
     calls = {"direct": 0, "node": 0}
     real_direct, real_node = layer_mod.sdpa_bwd, layer_mod._node_bwd
     monkeypatch.setattr(layer_mod, "sdpa_bwd", lambda *a: calls.__setitem__("direct", calls["direct"] + 1)

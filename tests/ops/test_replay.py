@@ -1,0 +1,218 @@
+"""Record once, replay many (``fp8engine.ops.replay``) and the fused FP8 layer step's use of it: a replayed step
+runs the recorded ops on the new tensors, so it gives the same bits as the ordinary Python on the same inputs
+(exact: the same ops in the same order); and where a recording is not sound, nothing is replayed."""
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import fp8engine
+import fp8engine.ops.layer as layer_mod
+from fp8engine.fp8.float8_tensor import kernels_forced
+from fp8engine.kernels._common import interpreting
+from fp8engine.modules import RotaryEmbedding, TransformerLayer
+from fp8engine.ops import replay
+from tests.conftest import sqnr
+
+H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recorder and the program on small functions
+# ---------------------------------------------------------------------------------------------------------------
+def _record(fn, *inputs):
+    rec = replay.Recorder(inputs)
+    with rec:
+        out = fn(*inputs)
+    return rec, out
+
+
+def test_program_replays_the_recorded_ops_on_new_inputs():
+    def fn(a, b):
+        c = a.contiguous()  # a itself: not recorded
+        _ = c.shape, c.is_contiguous()  # queries: not recorded
+        d = torch.empty(3, 4)
+        d.copy_(c * 2)  # written in place: kept
+        unused = b.t()  # nothing reads it: dropped  # noqa: F841
+        return d + b, d
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    rec, (y, d) = _record(fn, a, b)
+    prog = replay.Program(rec, rec.template((y, None, [d])))
+    a2, b2 = torch.randn(3, 4), torch.randn(3, 4)
+    (y2, none, (d2,)), kept = prog((a2, b2))
+    assert torch.equal(y2, a2 * 2 + b2) and torch.equal(d2, a2 * 2) and none is None and kept == ()
+    assert prog.n_ops == 4, prog.source  # empty, mul, copy_, add: no contiguous / shape / t()
+    assert ".t(" not in prog.source and "contiguous" not in prog.source
+
+
+def test_recording_aborts_on_a_tensor_from_elsewhere():
+    other = torch.randn(3)
+    rec, out = _record(lambda a: a + other, torch.randn(3))
+    assert rec.error is not None and "neither an input" in rec.error
+    with pytest.raises(replay.RecordAbort):
+        replay.Program(rec, rec.template(out))
+
+
+def test_recording_aborts_on_an_autograd_graph():
+    def fn(a):
+        with torch.enable_grad():
+            leaf = a.detach().requires_grad_()
+            return (leaf * 2).detach()
+    rec, _ = _record(fn, torch.randn(3))
+    assert rec.error == "an op inside the step built an autograd graph"
+
+
+def test_pair_passes_only_what_the_backward_reads():
+    x = torch.randn(4)
+    fwd, (y, t) = _record(lambda a: (a.exp(), a * 3), x)
+    # the backward reads y (made in the forward) and its own input
+    dy = torch.randn(4)
+    bwd = replay.Recorder([dy], outer=fwd)
+    with bwd:
+        g = dy * y
+    pair = replay.Pair(fwd, fwd.template((y,)), bwd, bwd.template((g,)))
+    x2, dy2 = torch.randn(4), torch.randn(4)
+    (y2,), saved = pair.forward((x2,))
+    assert len(saved) == 1 and saved[0] is y2  # t (a * 3) is not kept for the backward
+    (g2,) = pair.backward((dy2,), saved)
+    assert torch.equal(y2, x2.exp()) and torch.equal(g2, dy2 * x2.exp())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused FP8 layer step
+# ---------------------------------------------------------------------------------------------------------------
+def _run(layer, xs, gs, recipe, rope, on: bool, kernels: bool = False, **autocast):
+    """Steps with replay ``on`` / off; the outputs, input gradients, and the replay cache after the steps."""
+    layer_mod._PROGRAMS.clear()
+    saved = layer_mod.REPLAY
+    layer_mod.REPLAY = on
+    out = []
+    try:
+        with kernels_forced() if kernels else contextlib.nullcontext():
+            for x0, g in zip(xs, gs):
+                x = x0.clone().requires_grad_()
+                with torch.autocast(**autocast) if autocast else contextlib.nullcontext(), \
+                        fp8engine.autocast(recipe=recipe):
+                    y = layer(x, rotary_pos_emb=rope)
+                y.backward(g)
+                out.append((y.detach(), x.grad))
+    finally:
+        layer_mod.REPLAY = saved
+    return out, dict(layer_mod._PROGRAMS)
+
+
+def _assert_replay_exact(recipe, kw, rope, kernels=False, steps=3):
+    torch.manual_seed(0)
+    replayed = TransformerLayer(H, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, **kw)
+    ordinary = copy.deepcopy(replayed)
+    freqs = RotaryEmbedding(H // HEADS)(S) if rope else None
+    xs = [torch.randn(S, B, H) for _ in range(steps)]
+    gs = [torch.randn(S, B, H) for _ in range(steps)]
+    calls = []
+    real = replay.Pair.forward
+    replay.Pair.forward = lambda self, inputs: calls.append(1) or real(self, inputs)
+    try:
+        a, cache = _run(replayed, xs, gs, recipe, freqs, True, kernels)
+    finally:
+        replay.Pair.forward = real
+    b, _ = _run(ordinary, xs, gs, recipe, freqs, False, kernels)
+    assert [type(v) for v in cache.values()] == [replay.Pair], cache
+    assert len(calls) == steps - 1  # the first step records, the others replay
+    for (y1, dx1), (y2, dx2) in zip(a, b):
+        assert torch.equal(y1, y2) and torch.equal(dx1, dx2)  # the same ops on the same inputs: exact
+    for (name, p1), p2 in zip(replayed.named_parameters(), ordinary.parameters()):
+        assert torch.equal(p1.grad, p2.grad), name
+    for (name, b1), b2 in zip(replayed.named_buffers(), ordinary.buffers()):  # amax histories, scales
+        assert torch.equal(b1, b2), name
+
+
+@pytest.mark.parametrize("recipe", [fp8engine.DelayedScaling(), fp8engine.CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("kw", [dict(), dict(activation="relu", bias=False, zero_centered_gamma=True,
+                                             normalization="RMSNorm")], ids=["gelu-ln", "relu-nobias-rms"])
+@pytest.mark.parametrize("rope", [False, True], ids=["norope", "rope"])
+def test_replayed_layer_step_equals_the_ordinary_one(recipe, kw, rope):
+    _assert_replay_exact(recipe, kw, rope)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the Triton kernel path on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("recipe", [fp8engine.DelayedScaling(), fp8engine.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_replayed_layer_step_equals_the_ordinary_one_on_the_kernel_path(recipe):
+    """The Triton kernels (interpreted; launches replayed through ``kernel[grid]``) with rotary embedding."""
+    _assert_replay_exact(recipe, dict(), True, kernels=True, steps=2)
+
+
+@pytest.mark.parametrize("kw, why", [(dict(hidden_dropout=0.1), None), (dict(attention_dropout=0.1), None),
+                                     (dict(num_gqa_groups=2), "autograd graph")], ids=["hidden-dropout",
+                                                                                       "attn-dropout", "gqa"])
+def test_not_replayed_where_the_recording_is_not_sound(kw, why):
+    """Dropout is not recorded (its RNG draws and nodes: no key); GQA keeps SDPA's autograd node, which aborts
+    the recording: the layer then keeps its ordinary Python, with the same results."""
+    kw = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **kw}
+    torch.manual_seed(0)
+    layer = TransformerLayer(H, FFN, HEADS, **kw)
+    xs = [torch.randn(S, B, H) for _ in range(2)]
+    _, cache = _run(layer, xs, [torch.randn_like(x) for x in xs], fp8engine.DelayedScaling(), None, True)
+    if why is None:
+        assert cache == {}
+    else:
+        assert len(cache) == 1 and why in next(iter(cache.values()))
+
+
+def test_a_new_shape_records_again():
+    torch.manual_seed(0)
+    layer = TransformerLayer(H, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0)
+    xs = [torch.randn(S, B, H), torch.randn(S, B, H), torch.randn(S // 2, B, H)]
+    _, cache = _run(layer, xs, [torch.randn_like(x) for x in xs], fp8engine.DelayedScaling(), None, True)
+    assert [type(v) for v in cache.values()] == [replay.Pair, replay.Pair]
+    assert [key[1][0][0] for key in cache] == [xs[0].shape, xs[2].shape]  # the keys' first input: x
+
+
+def test_replayed_step_keeps_autograds_in_place_check():
+    """A saved weight modified in place between forward and backward raises, replayed or not."""
+    torch.manual_seed(0)
+    layer = TransformerLayer(H, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0)
+    xs = [torch.randn(S, B, H) for _ in range(2)]
+    _, cache = _run(layer, xs, [torch.randn_like(x) for x in xs], fp8engine.DelayedScaling(), None, True)
+    assert [type(v) for v in cache.values()] == [replay.Pair]  # (kept in layer_mod._PROGRAMS: the next replays)
+    x = xs[0].clone().requires_grad_()
+    with fp8engine.autocast(recipe=fp8engine.DelayedScaling()):
+        y = layer(x)
+    with torch.no_grad():
+        layer.layernorm_mlp.fc1_weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    layer_mod._PROGRAMS.clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", [fp8engine.DelayedScaling(), fp8engine.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_replayed_layer_step_on_cuda(recipe):
+    """On the GPU as the training command runs it (fp32 master parameters, bf16 under ``torch.autocast``), over
+    three steps (the first records, two replay). The forward and every gradient computed before the attention's
+    backward (the MLP's weights and norm) are the same bits; SDPA's backward accumulates with atomics on CUDA (its
+    bits vary from run to run, replayed or not), so the gradients behind it are compared at 25 dB, and the
+    scaling state, which takes their amaxes, by the forward roles' rows exactly and all rows at 25 dB."""
+    torch.manual_seed(0)
+    replayed = TransformerLayer(H, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, device="cuda")
+    ordinary = copy.deepcopy(replayed)
+    freqs = RotaryEmbedding(H // HEADS)(S).cuda()
+    xs = [torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    gs = [torch.randn_like(x) for x in xs]
+    a, cache = _run(replayed, xs, gs, recipe, freqs, True, device_type="cuda", dtype=torch.bfloat16)
+    b, _ = _run(ordinary, xs, gs, recipe, freqs, False, device_type="cuda", dtype=torch.bfloat16)
+    assert [type(v) for v in cache.values()] == [replay.Pair], cache
+    for (y1, dx1), (y2, dx2) in zip(a, b):
+        assert torch.equal(y1, y2)
+        assert sqnr(dx2, dx1) > 25
+    p1, p2 = dict(replayed.named_parameters()), dict(ordinary.named_parameters())
+    for name in p1:
+        if name.startswith("layernorm_mlp."):
+            assert torch.equal(p1[name].grad, p2[name].grad), name
+        else:
+            assert sqnr(p2[name].grad.float(), p1[name].grad.float()) > 25, name
+    for (name, b1), b2 in zip(replayed.named_buffers(), ordinary.buffers()):
+        assert sqnr(b2.float(), b1.float()) > 25, name
