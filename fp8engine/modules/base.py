@@ -41,6 +41,10 @@ class FP8WeightCache:
             self._cache.pop(name, None)
         return w_fp8
 
+    def discard(self, name: str) -> None:
+        """Drop the copy of ``name`` (what :meth:`get` does when it casts with ``is_first_microbatch=None``)."""
+        self._cache.pop(name, None)
+
     def clear(self) -> None:
         self._cache.clear()
 

@@ -127,10 +127,17 @@ class TransformerLayer(nn.Module):
         cfg = attn.config
         hl, gl, d = cfg.local_heads, cfg.local_groups, cfg.head_dim
         w_qkv, b_qkv = lq._weight_bias()
-        w_fp8 = (lq.fp8_weight("weight", w_qkv, qa[0].weight, is_first_microbatch),
-                 proj.fp8_weight("weight", proj.weight, qp[0].weight, is_first_microbatch),
-                 mlp.fp8_weight("fc1_weight", mlp.fc1_weight, qm[0].weight, is_first_microbatch),
-                 mlp.fp8_weight("fc2_weight", mlp.fc2_weight, qm[1].weight, is_first_microbatch))
+        if is_first_microbatch is None and torch.is_grad_enabled():
+            # nothing cached across micro-batches: the fused step casts the weights itself (with its other ops,
+            # so they are recorded and replayed with it: ops.layer), as FP8WeightCache.get would
+            for module, name in ((lq, "weight"), (proj, "weight"), (mlp, "fc1_weight"), (mlp, "fc2_weight")):
+                module._weight_cache.discard(name)
+            w_fp8 = None
+        else:
+            w_fp8 = (lq.fp8_weight("weight", w_qkv, qa[0].weight, is_first_microbatch),
+                     proj.fp8_weight("weight", proj.weight, qp[0].weight, is_first_microbatch),
+                     mlp.fp8_weight("fc1_weight", mlp.fc1_weight, qm[0].weight, is_first_microbatch),
+                     mlp.fp8_weight("fc2_weight", mlp.fc2_weight, qm[1].weight, is_first_microbatch))
         dropout_p = attn.attention_dropout if attn.training else 0.0
         rng = attn.rng_tracker.fork if attn.rng_tracker is not None and dropout_p > 0 else None
         plan = LayerPlan(qkv=qa[0], proj=qp[0], fc1=qm[0], fc2=qm[1], w_fp8=w_fp8, split=(gl, hl // gl, d),

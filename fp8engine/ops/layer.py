@@ -62,7 +62,8 @@ class LayerPlan:
     """The non-tensor arguments of one fused layer call (built by the layer for each call).
 
     Attributes: ``qkv``, ``proj``, ``fc1``, ``fc2``: the GEMMs' :class:`~fp8engine.fp8.quantizer.LinearQuantizers`;
-    ``w_fp8``: the four FP8 weights ``(Wqkv, Wproj, W1, W2)`` (weight cache included); ``split``: ``(g, hpg, d)``
+    ``w_fp8``: the four FP8 weights ``(Wqkv, Wproj, W1, W2)`` (weight cache included), or None:
+    the step casts them itself (no weight caching, grad enabled); ``split``: ``(g, hpg, d)``
     per rank; ``rope``: rotary angles ``[s, 1, 1, r]`` or None; ``attn``: keyword arguments of the attention call
     (mask, dropout, causal, GQA); ``rng``: context manager factory for attention dropout (or None); ``norm1`` /
     ``norm2``: ``(eps, rms, zero_centered_gamma)``; ``kind``: the activation; ``fuse_wgrad``; ``gelu_epilogue``;
@@ -153,7 +154,7 @@ def _step_inputs(x, params: tuple, p: LayerPlan) -> list:
     """Every tensor the step reads that it does not make: ``x``, the parameters, the FP8 weights, the scaling
     state's views, the rotary angles (the replay's inputs, in a fixed order; None where absent)."""
     inputs = [x, *params]
-    for w in p.w_fp8:
+    for w in p.w_fp8 or ():
         inputs += (w.data, w.scale_inv, w._data_t)
     for gemm in (p.qkv, p.proj, p.fc1, p.fc2):
         for q in gemm:
@@ -165,12 +166,14 @@ def _step_inputs(x, params: tuple, p: LayerPlan) -> list:
 def _replay_config(p: LayerPlan):
     """The non-tensor part of the replay key: what the step's Python branches on besides its input tensors, or
     None where the step is not replayed (dropout: its RNG draws and autograd nodes; FP8 statistics recording:
-    its Python bookkeeping)."""
+    its Python bookkeeping; ``fuse_wgrad``: the backward reads ``weight.main_grad``, which the forward's key
+    cannot see)."""
     quantizers = [q for gemm in (p.qkv, p.proj, p.fc1, p.fc2) for q in gemm]
-    if p.hidden_dropout or p.attn["dropout_p"] or p.rng is not None or any(q.stats is not None for q in quantizers):
+    if (p.hidden_dropout or p.attn["dropout_p"] or p.rng is not None or p.fuse_wgrad
+            or any(q.stats is not None for q in quantizers)):
         return None
-    return (tuple((q.fp8_dtype, q.kind) for q in quantizers), tuple(w.dtype for w in p.w_fp8), p.split,
-            tuple(sorted(p.attn.items())), p.norm1, p.norm2, p.kind, p.fuse_wgrad, p.gelu_epilogue)
+    return (tuple((q.fp8_dtype, q.kind) for q in quantizers), p.w_fp8 and tuple(w.dtype for w in p.w_fp8), p.split,
+            tuple(sorted(p.attn.items())), p.norm1, p.norm2, p.kind, p.gelu_epilogue)
 
 
 def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
@@ -178,6 +181,9 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
     ln1_w, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_w, ln2_b, w1, b1, w2, b2 = params
     s, b, h = x.shape
     dt = x.dtype
+    if p.w_fp8 is None:  # no weight caching: the weights cast here, as FP8WeightCache.get casts them
+        p.w_fp8 = tuple(q.weight.quantize(w, transpose=True)
+                        for q, w in ((p.qkv, w_qkv), (p.proj, w_proj), (p.fc1, w1), (p.fc2, w2)))
     wq8, wp8, w18, w28 = p.w_fp8
     eps1, rms1, zc1 = p.norm1
     eps2, rms2, zc2 = p.norm2
