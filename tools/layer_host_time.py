@@ -3,7 +3,8 @@
 
 At the small layer shape ``[128, 1, 256]`` (ffn 1024, 4 heads) the GPU work is negligible, so a step's time is the
 host's: Python, autograd and the dispatcher. For the plain PyTorch bf16 block (``fp8engine.bench.layer.PlainBlock``),
-our TransformerLayer in bf16, and under FP8 delayed and current scaling (the fused layer step, and with
+our TransformerLayer in bf16, and under FP8 delayed and current scaling (the fused layer step, replayed from its
+recording as the layer runs it by default, and with the replay off: :mod:`fp8engine.ops.replay`; and with
 ``fused=False`` the sublayers one by one), it prints per fwd+bwd step:
 
 - ``host ms``: median wall time of the step's issue (``time.perf_counter`` around forward + backward, the GPU
@@ -18,8 +19,9 @@ functions with the most own and cumulative time; the profiler's overhead inflate
 compare rows, not sums) and the top-level ATen operators of one step by name and count.
 
 With ``--sections delayed|current`` it times the parts of the fused FP8 layer step instead (no profiler): each
-function the fused step (``fp8engine.ops.layer``) calls, the layer's plan (``TransformerLayer._fused_plan``, with
-the weight casts inside it), the quantizer casts, the autocast entry and exit (the delayed-scaling update) and the
+function the fused step (``fp8engine.ops.layer``) calls, the layer's plan (``TransformerLayer._fused_plan``), the
+replayed forward and backward programs (:mod:`fp8engine.ops.replay`: after the first step, the fused step's
+functions above are called only where its configuration is not replayed), the quantizer casts, the autocast entry and exit (the delayed-scaling update) and the
 autograd engine around the backward, as host us per step over ``--steps`` steps (``time.perf_counter`` wrappers,
 about a microsecond each; nested rows are included in their callers' rows).
 
@@ -128,11 +130,13 @@ def main():
     cases = [("plain PyTorch block bf16", plain, None), ("TransformerLayer bf16", ours, None),
              ("TransformerLayer fp8 delayed", ours, fe.DelayedScaling()),
              ("TransformerLayer fp8 current", ours, fe.CurrentScaling()),
+             ("TransformerLayer fp8 delayed, replay off", ours, fe.DelayedScaling()),
+             ("TransformerLayer fp8 current, replay off", ours, fe.CurrentScaling()),
              ("TransformerLayer fp8 delayed, fused=False", composed, fe.DelayedScaling()),
              ("TransformerLayer fp8 current, fused=False", composed, fe.CurrentScaling())]
     rows, by_name, runs = [], {}, []
     for name, model, recipe in cases:
-        run = fwd_bwd_step(model, x, dy, recipe)
+        run = _replay_switch(fwd_bwd_step(model, x, dy, recipe), not name.endswith("replay off"))
         for _ in range(3):  # warm-up: caches, the first scale update, Triton compilation on CUDA
             run()
         runs.append(run)
@@ -159,6 +163,19 @@ def main():
             print(f"{n:5d}  {op}")
 
 
+def _replay_switch(run, on: bool):
+    """``run`` with the fused step's replay of recorded steps (``fp8engine.ops.layer.REPLAY``) on or off."""
+    import fp8engine.ops.layer as fused
+
+    def switched():
+        saved, fused.REPLAY = fused.REPLAY, on
+        try:
+            run()
+        finally:
+            fused.REPLAY = saved
+    return switched
+
+
 def _sections(layer, x, dy, recipe, args) -> None:
     """``--sections`` (module docstring): wrap the parts in timers, run ``args.steps`` steps, print the table."""
     import contextlib
@@ -167,6 +184,7 @@ def _sections(layer, x, dy, recipe, args) -> None:
     from fp8engine.fp8 import quantizer as quantizer_mod
     from fp8engine.modules.base import FP8Module
     from fp8engine.modules.transformer import TransformerLayer
+    from fp8engine.ops import replay
 
     acc, calls = collections.defaultdict(float), collections.Counter()
     targets = [(fused, name, name) for name in ("norm_fwd", "fp8_fprop", "split_rotate", "_node_fwd",
@@ -174,10 +192,12 @@ def _sections(layer, x, dy, recipe, args) -> None:
                                                    "qkv_grad_fp8", "_node_bwd", "_dropout_fwd", "sdpa_fwd", "sdpa_bwd")]
     targets += [(fused._FP8TransformerLayer, "forward", "fused step forward (all of it)"),
                 (fused._FP8TransformerLayer, "backward", "fused step backward (all of it)"),
-                (TransformerLayer, "_fused_plan", "layer plan (weight casts included)"),
+                (TransformerLayer, "_fused_plan", "layer plan (the weight casts where they are cached)"),
                 (FP8Module, "fp8_weight", "FP8Module.fp8_weight (weight cast)"),
                 (quantizer_mod.Quantizer, "quantize", "Quantizer.quantize"),
-                (quantizer_mod.Quantizer, "quantize_dbias", "Quantizer.quantize_dbias")]
+                (quantizer_mod.Quantizer, "quantize_dbias", "Quantizer.quantize_dbias"),
+                (replay.Pair, "forward", "replayed forward (the recorded ops)"),
+                (replay.Pair, "backward", "replayed backward (the recorded ops)")]
 
     def timed(fn, label):
         def wrapper(*a, **kw):

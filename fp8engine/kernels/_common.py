@@ -210,6 +210,11 @@ def launch_now(kernel, grid: tuple, args: tuple, meta: dict) -> None:
         function, packed, None, None, None, *ptrs, *tail)
 
 
+def current_stream() -> int:
+    """The current CUDA stream of the current device, as the raw handle a compiled launcher takes."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
 def launch_entry(kernel, args: tuple, meta: dict):
     """``(run, function, packed_metadata, trailing constexprs)`` of the compiled launcher :func:`launch` calls
     for this kernel and argument specialization once it has launched, or None (interpreter, ``FAST_LAUNCH`` off,

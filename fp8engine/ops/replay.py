@@ -91,11 +91,12 @@ class _Op:
     new slot, or None: not a tensor or already known); None: the result is not kept. ``pinned``: kept even when no
     later op reads its outputs (it writes into an argument, or is a launch)."""
 
-    __slots__ = ("kind", "fn", "args", "kwargs", "outs", "pinned", "entry", "grid", "meta")
+    __slots__ = ("kind", "fn", "args", "kwargs", "outs", "pinned", "entry", "grid", "meta", "alias_of")
 
-    def __init__(self, kind, fn, args, kwargs, outs, pinned, entry=None, grid=None, meta=None):
+    def __init__(self, kind, fn, args, kwargs, outs, pinned, entry=None, grid=None, meta=None, alias_of=None):
         self.kind, self.fn, self.args, self.kwargs, self.outs, self.pinned = kind, fn, args, kwargs, outs, pinned
         self.entry, self.grid, self.meta = entry, grid, meta
+        self.alias_of = alias_of  # the slot whose address the (single) output has, for a view of it
 
     def out_slots(self) -> list:
         if self.outs is None:
@@ -234,7 +235,11 @@ class Recorder(TorchFunctionMode):
                 return  # returned an argument itself (contiguous(), to() of the same dtype)
         targs = self.template(args)
         tkwargs = {k: self.template(v) for k, v in kwargs.items()}
-        self.ops.append(_Op("call", func, targs, tkwargs, self._outputs(out), mutates))
+        alias_of = None
+        if (not mutates and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor)
+                and out.data_ptr() == args[0].data_ptr()):
+            alias_of = targs[0].slot  # a view at its argument's address (the argument is alive: not a new block)
+        self.ops.append(_Op("call", func, targs, tkwargs, self._outputs(out), mutates, alias_of=alias_of))
 
     def call(self, fn: Callable, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` -- a call that does not go through torch functions, such as a cuBLASLt
@@ -290,6 +295,7 @@ class Program:
         _collect(out_t, found := [])
         live.update(found)
         pinned_out = set(live)
+        _skip_pointer_views(rec.ops, pinned_out)
         ops = []
         for op in reversed(rec.ops):  # dead ops: nothing later reads what they make, and they write nothing
             if op.pinned or any(s in live for s in op.out_slots()):
@@ -309,8 +315,7 @@ class Program:
             lines.append(f"    {', '.join(f's{s}' for _, s in rec.outer_refs)}{',' if len(rec.outer_refs) == 1 else ''}"
                          " = outer")
         if any(op.kind == "launch" and op.entry is not None for op in ops):
-            lines.append(f"    stream = {self._const(torch._C._cuda_getCurrentRawStream)}"
-                         f"({self._const(torch._C._cuda_getDevice)}())")
+            lines.append(f"    stream = {self._const(_common.current_stream)}()")
         for i, op in enumerate(ops):
             lines.extend(self._lines(op, last, pinned_out))
             dead = [s for s in op.refs() if last.get(s) == i and s not in pinned_out]
@@ -371,6 +376,26 @@ class Program:
             out += [f"    s{s} = _r[{i}]" for i, s in enumerate(op.outs) if used(s)]
             return out
         return [f"    {call}"]
+
+
+def _skip_pointer_views(ops: list, pinned: set) -> None:
+    """A view whose only readers are launches through the compiled launcher -- which take its address, equal to
+    its source's, with the layout in their other arguments (``x.view(torch.uint8)`` of an FP8 buffer, a 2-D
+    ``reshape``) -- is not made: those launches take the source's address (the view op is then dead)."""
+    readers: dict = {}  # slot -> [reads it only for its address, ...]
+    for op in ops:
+        address = op.kind == "launch" and op.entry is not None
+        for s in op.refs():
+            readers.setdefault(s, []).append(address)
+    source: dict = {}
+    for op in ops:
+        if (op.alias_of is not None and isinstance(op.outs, int) and op.outs not in pinned
+                and all(readers.get(op.outs, [False]))):
+            source[op.outs] = source.get(op.alias_of, op.alias_of)
+    if source:
+        for op in ops:
+            if op.kind == "launch" and op.entry is not None:
+                op.args = tuple(_Ref(source.get(a.slot, a.slot)) if isinstance(a, _Ref) else a for a in op.args)
 
 
 class Pair:

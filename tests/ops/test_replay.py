@@ -79,6 +79,31 @@ def test_pair_passes_only_what_the_backward_reads():
     assert torch.equal(y2, x2.exp()) and torch.equal(g2, dy2 * x2.exp())
 
 
+def test_launches_are_replayed_through_the_compiled_launcher_with_current_addresses(monkeypatch):
+    """A recorded launch is replayed by calling its compiled launcher (faked here) with the new tensors' addresses;
+    a view made only to be launched (``view(torch.uint8)``) is not made again: its source's address is passed."""
+    from fp8engine.kernels import _common
+
+    calls = []
+    fake_run = lambda *a: calls.append(a)  # noqa: E731 -- (grid x3, stream, function, packed, 3 hooks, args, tail)
+    monkeypatch.setattr(_common, "launch_now", lambda kernel, grid, args, meta: None)
+    monkeypatch.setattr(_common, "launch_entry", lambda kernel, args, meta: (fake_run, "fn", "packed", (7,)))
+    monkeypatch.setattr(_common, "current_stream", lambda: 1234)
+    kernel = object()
+
+    def fn(a):
+        out = torch.empty(8, dtype=torch.float8_e4m3fn)
+        _common.launch(kernel, (2,), a, out.view(torch.uint8), 8, BLOCK=4)
+        return out
+    a = torch.randn(8)
+    rec, out = _record(fn, a)
+    prog = replay.Program(rec, rec.template(out))
+    assert prog.n_ops == 2 and "view" not in prog.source, prog.source  # empty + the launch
+    a2 = torch.randn(8)
+    out2, _ = prog((a2,))
+    assert calls == [(2, 1, 1, 1234, "fn", "packed", None, None, None, a2.data_ptr(), out2.data_ptr(), 8, 7)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The fused FP8 layer step
 # ---------------------------------------------------------------------------------------------------------------
