@@ -92,7 +92,9 @@ class Quantizer:
         if self.delayed:
             return self.scale, self.amax, False
         if amax is None:
-            amax = torch.linalg.vector_norm(x.detach() if x.requires_grad else x, float("inf")).float()
+            # (detached only where grad mode would record the reduction: inside a fused op it is off)
+            x_ = x.detach() if x.requires_grad and torch.is_grad_enabled() else x
+            amax = torch.linalg.vector_norm(x_, float("inf")).float()
         else:
             amax = amax.float().reshape(1)
         return amax, None, True
