@@ -47,6 +47,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.ops.gemm import fp8_fprop
 from fp8engine.ops.linear import dgrad_wgrad
 from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
@@ -351,5 +352,19 @@ def fused_layer(x: torch.Tensor, params: tuple, plan: LayerPlan) -> torch.Tensor
     Returns:
         ``[s, b, h]`` in ``x.dtype``.
     """
-    plan.replay = _replay_config(plan) if REPLAY and torch.is_grad_enabled() else None
+    plan.replay = None
+    if REPLAY and torch.is_grad_enabled():
+        config = _replay_config(plan)
+        plan.replay = config and (config, _dispatch_state(x))
     return _FP8TransformerLayer.apply(x, *params, plan)
+
+
+def _dispatch_state(x: torch.Tensor) -> tuple:
+    """The process state the ops of a step dispatch on, besides their arguments (part of the replay key):
+    ``torch.autocast`` (it casts some ops' inputs: the amax reduction runs in fp32 under it), the backend choice of
+    the kernels (``use_kernels``), and the switches that steer SDPA's backend choice."""
+    device = x.device.type
+    cuda = torch.backends.cuda
+    return (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), use_kernels(x),
+            torch.are_deterministic_algorithms_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+            cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled())

@@ -37,7 +37,9 @@ code for that configuration; nothing is replayed):
 - no integer argument of a launch is a device pointer (it would be frozen);
 - the caller's key holds everything the Python of the step branches on: every input tensor's shape, strides,
   dtype, device, ``requires_grad`` and pointer alignment (``data_ptr() % 256``: Triton specialises kernels on
-  16-byte alignment and cuBLASLt picks algorithms by it), and the non-tensor configuration. Intermediate tensors
+  16-byte alignment and cuBLASLt picks algorithms by it), the non-tensor configuration, and the process state the
+  ops dispatch on (``torch.autocast``, the backend switches of SDPA). Environment variables the kernels' Python
+  reads (``FP8ENGINE_EMULATE_FP8_CVT`` ...) are taken as they were when the step was recorded. Intermediate tensors
   come from the caching allocator (512-byte aligned) or are views at fixed offsets of those, so their alignment
   is the recorded one. No op of the step reads a tensor's value on the host (no synchronisation), so the values
   never steer the Python.

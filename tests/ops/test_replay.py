@@ -195,6 +195,20 @@ def test_a_new_shape_records_again():
     assert [key[1][0][0] for key in cache] == [xs[0].shape, xs[2].shape]  # the keys' first input: x
 
 
+def test_the_key_holds_the_dispatch_state():
+    """torch.autocast casts some ops' inputs (the amax reduction runs in fp32 under it) and the SDPA switches pick
+    the attention backend: a step recorded under one state is not replayed under another."""
+    x = torch.randn(S, B, H)
+    plain = layer_mod._dispatch_state(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer_mod._dispatch_state(x) != plain
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        assert layer_mod._dispatch_state(x) != plain
+    with kernels_forced():
+        assert layer_mod._dispatch_state(x) != plain
+    assert layer_mod._dispatch_state(x) == plain
+
+
 def test_replayed_step_keeps_autograds_in_place_check():
     """A saved weight modified in place between forward and backward raises, replayed or not."""
     torch.manual_seed(0)
