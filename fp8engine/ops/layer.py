@@ -128,15 +128,16 @@ class _FP8TransformerLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if not dout.is_contiguous() or dout.data_ptr() & 255:  # (a replay takes what was recorded: contiguous,
-            dout = dout.clone(memory_format=torch.contiguous_format)  # 256-byte aligned, as a fresh tensor is)
-        replayed = getattr(ctx, "replayed", None)
+        replayed, recording = getattr(ctx, "replayed", None), getattr(ctx, "recording", None)
+        if (replayed is not None or recording is not None) and (
+                not dout.is_contiguous() or (dout.is_cuda and dout.data_ptr() & 255)):
+            # what a replay takes is what was recorded: contiguous, 256-byte aligned on a GPU (as a fresh tensor)
+            dout = dout.clone(memory_format=torch.contiguous_format)
         if replayed is not None:
             ctx.saved_tensors  # noqa: B018 -- autograd's check that no saved input was modified in place
             program, saved = replayed
             ctx.replayed = None
             return program.backward((dout,), saved)
-        recording = getattr(ctx, "recording", None)
         if recording is None:
             return _backward(ctx, dout)
         key, frec, fout = recording
