@@ -34,6 +34,14 @@ wgrad, and norm1's backward with the gradient of the residual branch added.
 Hidden dropout (training) runs ``F.dropout`` on the attention and MLP branches where the composed layer does, in the
 same order (so the same masks), each as its own small autograd node replayed in backward, as SDPA's.
 
+Replay (:mod:`fp8engine.ops.replay`): the step issues the same ops on every call of a configuration, so with grad
+enabled the first call of each configuration (:func:`_replay_config` and :func:`_dispatch_state`, plus every input
+tensor's shape, strides, dtype and alignment) runs the Python below under a recorder, forward and backward, and later
+calls run the recorded ops as one generated function each: the same ops on the new tensors, bit-equal, without the
+Python between them (``tests/ops/test_replay.py``). Not replayed: dropout, GQA (SDPA keeps its node),
+``fuse_wgrad_accumulation``, FP8 statistics recording. ``FP8ENGINE_REPLAY=0`` (read at import) or ``REPLAY = False``
+turns it off.
+
 What it does not cover (``TransformerLayer._fused_plan`` returns None, and the layer runs its composed sublayers):
 block scaling, tensor / sequence parallelism, ``torch.compile`` tracing, a padding mask, an input whose dtype is not
 the ``torch.autocast`` dtype, separate q / k / v weights or a layer without input norm, ``return_layernorm_output``,
@@ -68,7 +76,8 @@ class LayerPlan:
     per rank; ``rope``: rotary angles ``[s, 1, 1, r]`` or None; ``attn``: keyword arguments of the attention call
     (mask, dropout, causal, GQA); ``rng``: context manager factory for attention dropout (or None); ``norm1`` /
     ``norm2``: ``(eps, rms, zero_centered_gamma)``; ``kind``: the activation; ``fuse_wgrad``; ``gelu_epilogue``;
-    ``hidden_dropout``: the probability applied to each branch before its residual add (0.0: none).
+    ``hidden_dropout``: the probability applied to each branch before its residual add (0.0: none); ``replay``:
+    set by :func:`fused_layer` (the non-tensor part of the replay key, or None: not recorded or replayed).
     """
 
     __slots__ = ("qkv", "proj", "fc1", "fc2", "w_fp8", "split", "rope", "attn", "rng", "norm1", "norm2", "kind",
