@@ -285,8 +285,10 @@ class Program:
         outputs: what the function returns, as ``rec.template(...)`` gave it for a structure (tuple / list,
             nested) of tensors the recorded code made or took, and constants (None).
         keep: more slots to return (as a second result, a tuple), for a later program (:class:`Pair`).
-    ``program(inputs, outer)`` -> ``(outputs, kept)``: ``inputs`` in the recorder's input order, ``outer`` the
-    values of ``rec.outer_refs``' outer slots, in that order.
+    ``program(inputs, outer)`` -> ``(outputs, kept)``: ``inputs`` in the recorder's input order, ``outer`` a list
+    of the values of ``rec.outer_refs``' outer slots, in that order, which the program empties (so each of those
+    tensors is released after its last use here, as the ordinary backward drops the forward's tensors as it goes);
+    ``kept`` a list.
     """
 
     def __init__(self, rec: Recorder, outputs, keep: Sequence[int] = ()):
@@ -313,9 +315,10 @@ class Program:
         names = ", ".join("_" if s is None else f"s{s}" for s in rec.input_slots)
         if rec.input_slots:
             lines.append(f"    {names}{',' if len(rec.input_slots) == 1 else ''} = inputs")
-        if rec.outer_refs:
+        if rec.outer_refs:  # (then emptied: each of its tensors is released here after its last use)
             lines.append(f"    {', '.join(f's{s}' for _, s in rec.outer_refs)}{',' if len(rec.outer_refs) == 1 else ''}"
                          " = outer")
+            lines.append("    outer.clear()")
         if any(op.kind == "launch" and op.entry is not None for op in ops):
             lines.append(f"    stream = {self._const(_common.current_stream)}()")
         for i, op in enumerate(ops):
@@ -324,7 +327,7 @@ class Program:
             if dead:
                 lines.append(f"    {' = '.join(f's{s}' for s in sorted(set(dead)))} = None")
         kept = ", ".join(f"s{s}" for s in keep)
-        lines.append(f"    return {self._render(out_t)}, ({kept}{',' if len(keep) == 1 else ''})")
+        lines.append(f"    return {self._render(out_t)}, [{kept}]")
         self.source = "\n".join(lines)
         scope: dict = {}
         exec(compile(self.source, "<fp8engine replay>", "exec"), self._consts, scope)
@@ -403,8 +406,8 @@ def _skip_pointer_views(ops: list, pinned: set) -> None:
 class Pair:
     """A forward and its backward, recorded on one call (module docstring, step 3).
 
-    ``forward(inputs)`` -> ``(outputs, saved)``; ``backward(inputs, saved)`` -> its outputs. ``saved`` holds
-    exactly the forward tensors the backward reads.
+    ``forward(inputs)`` -> ``(outputs, saved)``; ``backward(inputs, saved)`` -> its outputs. ``saved`` (a list)
+    holds exactly the forward tensors the backward reads; the backward empties it.
     """
 
     def __init__(self, fwd: Recorder, fwd_outputs, bwd: Recorder, bwd_outputs):
