@@ -34,7 +34,7 @@ def test_program_replays_the_recorded_ops_on_new_inputs():
         _ = c.shape, c.is_contiguous()  # queries: not recorded
         d = torch.empty(3, 4)
         d.copy_(c * 2)  # written in place: kept
-        unused = b.t()  # nothing reads it: dropped  # noqa: F841
+        b.t()  # nothing reads it: dropped
         return d + b, d
     a, b = torch.randn(3, 4), torch.randn(3, 4)
     rec, (y, d) = _record(fn, a, b)
