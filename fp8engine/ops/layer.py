@@ -56,11 +56,11 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import use_kernels
+from fp8engine.ops import replay
 from fp8engine.ops.gemm import fp8_fprop
 from fp8engine.ops.linear import dgrad_wgrad
 from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
 from fp8engine.ops.norm_linear import norm_bwd, norm_fwd
-from fp8engine.ops import replay
 from fp8engine.ops.qkv import qkv_grad_fp8, split_rotate
 from fp8engine.ops.sdpa import sdpa_bwd, sdpa_fwd
 
