@@ -88,13 +88,15 @@ class Quantizer:
         kernel derive the scale from it on the device (no host synchronisation). The amax is torch's inf-norm
         reduction (exact: a max of values of ``x``'s dtype; NaN gives NaN, which the kernel, like an inf amax,
         turns into scale 1.0): one dispatched op where a zero-filled buffer plus a Triton amax launch cost about
-        twice the host time per cast (``python tools/layer_host_profile.py --recipe current``)."""
+        twice the host time per cast (``python tools/layer_host_profile.py --recipe current``). It stays in x's
+        dtype (exact: a value of x) and the cast kernel converts it as it loads it: a ``.float()`` op per cast
+        saved (13-30 host us each in the replayed current-scaling step, H100, ``python tools/replay_lines.py``)."""
         if self.delayed:
             return self.scale, self.amax, False
         if amax is None:
             # (detached only where grad mode would record the reduction: inside a fused op it is off)
             x_ = x.detach() if x.requires_grad and torch.is_grad_enabled() else x
-            amax = torch.linalg.vector_norm(x_, float("inf")).float()
+            amax = torch.linalg.vector_norm(x_, float("inf"))  # in x's dtype: the kernel reads it as fp32
         else:
             amax = amax.float().reshape(1)
         return amax, None, True

@@ -451,13 +451,46 @@ def _scale_from_amax(amax, FP8_MAX: tl.constexpr):
     return tl.where(ok, tl.math.div_rn(1.0, tl.where(ok, amax, 1.0)) * FP8_MAX, 1.0)
 
 
+#: Columns per program of :func:`sum_partials`' kernel, and the most rows it loads at once.
+_SUM_BLOCK_N, _SUM_BLOCK_P = 64, 32
+
+
+@triton.jit
+def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CVT: tl.constexpr):
+    """out[n] = sum over p of part[p, n] (``[P, N]`` fp32, row-major), in fp32, rounded once to out's dtype
+    (:func:`_round_to`); each program sums BLOCK_N columns, BLOCK_P rows at a time in a fixed order
+    (deterministic)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        v = tl.load(part_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < P) & cmask[None, :],
+                    other=0.0)
+        acc += tl.sum(v, axis=0)
+    tl.store(out_ptr + cols, _round_to(acc, out_ptr.dtype.element_ty, CVT), mask=cmask)
+
+
 def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Sum an [P, N] fp32 buffer of partial column sums over P -> [N] in ``out_dtype`` (summed in fp32, rounded once).
 
-    Stage 2 of the kernels' deterministic column reductions (dbias, dgamma/dbeta): torch's reduction over dim 0,
-    whose order is fixed for a given shape (no atomics), so the result is deterministic. It is one dispatched op
-    (two with the final cast) where a Triton launch of the same reduction cost ~4x the host time per call
-    (30 vs ~8 host us, H100, ``python tools/kernels_vs_memory_floor.py --only host``), and an FP8 layer step makes six
-    of them; the GPU time of the reduction is a few microseconds at the layer shapes here."""
-    out = partials.sum(0)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    Stage 2 of the kernels' deterministic column reductions (dbias, dgamma/dbeta): one Triton launch
+    (:func:`_sum_partials_kernel`, a fixed order for a given shape, no atomics: deterministic) into one new tensor.
+    It replaced torch's ``partials.sum(0).to(out_dtype)`` -- two dispatched ops, the sum's TensorIterator setup
+    included -- because an FP8 layer step makes six of these reductions and its replayed program
+    (:mod:`fp8engine.ops.replay`) calls a compiled launcher directly: 17-50 host us per ``sum`` + ``to`` pair against
+    ~15 per allocation + launch in the replayed delayed-scaling step (H100, per-line timing of the replayed program,
+    ``python tools/replay_lines.py``). Reference: :func:`sum_partials_reference`. ``P`` may be 0 (zeros)."""
+    p, n = partials.shape
+    out = torch.empty(n, dtype=out_dtype, device=partials.device)
+    if n:
+        launch(_sum_partials_kernel, (cdiv(n, _SUM_BLOCK_N),), partials.contiguous(), out, p, n,
+               BLOCK_P=min(_SUM_BLOCK_P, next_power_of_2(max(p, 1))), BLOCK_N=_SUM_BLOCK_N, CVT=fp8_cvt_mode(),
+               num_warps=4)
+    return out
+
+
+def sum_partials_reference(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Plain PyTorch :func:`sum_partials`: ``partials.sum(0)`` in fp32 rounded once to ``out_dtype`` (the order of the
+    fp32 additions may differ from the kernel's: equal within fp32 rounding)."""
+    return partials.float().sum(0).to(out_dtype)

@@ -98,7 +98,7 @@ def _cast_kernel(
     if HAS_AMAX:
         tl.atomic_max(amax_ptr, _abs_max_flat(x, mask))  # NaN counts as +inf
     if WRITE_OUT:
-        scale = tl.load(scale_ptr)
+        scale = tl.load(scale_ptr).to(tl.float32)  # (an amax may be in x's dtype)
         if SCALE_FROM_AMAX:
             scale = _scale_from_amax(scale, FP8_MAX)
         tl.store(out_ptr + offs, _quantize(x, scale, FP8_MAX, IS_E4M3, CVT), mask=mask)
@@ -132,7 +132,7 @@ def _cast_transpose_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr)
+    scale = tl.load(scale_ptr).to(tl.float32)  # (an amax may be in x's dtype)
     if SCALE_FROM_AMAX:
         scale = _scale_from_amax(scale, FP8_MAX)
     _store_tile(x, offs_m, offs_n, M, N, N, out_ptr, out_t_ptr, scale, FP8_MAX, IS_E4M3, CVT, True, True)
@@ -196,10 +196,15 @@ def transpose_fp8_reference(data: torch.Tensor) -> torch.Tensor:
     return data.reshape(-1, data.shape[-1]).t().contiguous()
 
 
-def _check_cast_args(x, scale, fp8_dtype, amax_out, op):
+def _check_cast_args(x, scale, fp8_dtype, amax_out, op, scale_from_amax=False):
     check_launchable(x, op)
     check_hp(x, "x", op)
-    check_scalar_f32(scale, "scale", x.device, op)
+    if scale_from_amax and scale.dtype == x.dtype:  # an amax of x in x's dtype: exact (a value of x)
+        if scale.numel() != 1 or scale.device != x.device:
+            raise ValueError(f"{op}: the amax must be a 1-element tensor on {x.device}, got shape "
+                             f"{tuple(scale.shape)} on {scale.device}")
+    else:
+        check_scalar_f32(scale, "scale", x.device, op)
     check_scalar_f32(amax_out, "amax_out", x.device, op)
     return fp8_format(fp8_dtype, op)
 
@@ -236,7 +241,8 @@ def cast_to_fp8(
 
     Args:
         x: bf16/fp16/fp32, contiguous, shape [..., N] (treated as [M, N]).
-        scale: [1] or [] fp32 on x's device; ``data = saturate(x * scale)``.
+        scale: [1] or [] fp32 on x's device; ``data = saturate(x * scale)`` (with ``scale_from_amax`` it may also
+            be in x's dtype: an amax of x is a value of x, exact in its dtype, and saves the conversion op).
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
         amax_out: optional [1] fp32; receives ``max(amax_out, max|x|)`` (atomic; NaN in x -> +inf).
         transpose: also write ``data_t`` = the [N, M] transpose (tiled cast-transpose kernel).
@@ -251,9 +257,10 @@ def cast_to_fp8(
 
     Raises:
         ValueError for a non-contiguous x, a CPU tensor without TRITON_INTERPRET=1, or a device mismatch;
-        TypeError for unsupported dtypes or a scale/amax_out that is not a 1-element fp32 tensor.
+        TypeError for unsupported dtypes or a scale/amax_out that is not a 1-element fp32 tensor (an amax in x's
+        dtype allowed with ``scale_from_amax``).
     """
-    fp8_max, is_e4m3 = _check_cast_args(x, scale, fp8_dtype, amax_out, "cast_to_fp8")
+    fp8_max, is_e4m3 = _check_cast_args(x, scale, fp8_dtype, amax_out, "cast_to_fp8", scale_from_amax)
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     if transpose:
         data_t, scale_inv, _ = _launch_cast_transpose(
@@ -286,7 +293,8 @@ def cast_transpose_dbias(
         dbias [N] in grad.dtype = column sums of grad accumulated in fp32 (per 64-row tile, then a second
         deterministic pass over the tiles; no float atomics).
     """
-    fp8_max, is_e4m3 = _check_cast_args(grad, scale, fp8_dtype, amax_out, "cast_transpose_dbias")
+    fp8_max, is_e4m3 = _check_cast_args(grad, scale, fp8_dtype, amax_out, "cast_transpose_dbias",
+                                         scale_from_amax)
     data = torch.empty(grad.shape, dtype=fp8_dtype, device=grad.device)
     data_t, scale_inv, dbias = _launch_cast_transpose(
         as_2d(grad), scale, fp8_dtype, amax_out, fp8_max, is_e4m3, grad.dtype, data, "cast_transpose_dbias",

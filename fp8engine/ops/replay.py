@@ -94,12 +94,15 @@ class _Op:
     new slot, or None: not a tensor or already known); None: the result is not kept. ``pinned``: kept even when no
     later op reads its outputs (it writes into an argument, or is a launch)."""
 
-    __slots__ = ("kind", "fn", "args", "kwargs", "outs", "pinned", "entry", "grid", "meta", "alias_of")
+    __slots__ = ("kind", "fn", "args", "kwargs", "outs", "pinned", "entry", "grid", "meta", "alias_of", "layout")
 
-    def __init__(self, kind, fn, args, kwargs, outs, pinned, entry=None, grid=None, meta=None, alias_of=None):
+    def __init__(self, kind, fn, args, kwargs, outs, pinned, entry=None, grid=None, meta=None, alias_of=None,
+                 layout=None):
         self.kind, self.fn, self.args, self.kwargs, self.outs, self.pinned = kind, fn, args, kwargs, outs, pinned
         self.entry, self.grid, self.meta = entry, grid, meta
         self.alias_of = alias_of  # the slot whose address the (single) output has, for a view of it
+        # (shape, strides, dtype, device) of the output: for an allocation (``torch.empty``) and an alias view
+        self.layout = layout
 
     def out_slots(self) -> list:
         if self.outs is None:
@@ -238,11 +241,15 @@ class Recorder(TorchFunctionMode):
                 return  # returned an argument itself (contiguous(), to() of the same dtype)
         targs = self.template(args)
         tkwargs = {k: self.template(v) for k, v in kwargs.items()}
-        alias_of = None
+        alias_of = layout = None
         if (not mutates and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor)
                 and out.data_ptr() == args[0].data_ptr()):
             alias_of = targs[0].slot  # a view at its argument's address (the argument is alive: not a new block)
-        self.ops.append(_Op("call", func, targs, tkwargs, self._outputs(out), mutates, alias_of=alias_of))
+        if isinstance(out, torch.Tensor) and (alias_of is not None or (func is torch.empty
+                                                                        and set(kwargs) <= {"dtype", "device"})):
+            layout = (tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
+        self.ops.append(_Op("call", func, targs, tkwargs, self._outputs(out), mutates, alias_of=alias_of,
+                            layout=layout))
 
     def call(self, fn: Callable, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` -- a call that does not go through torch functions, such as a cuBLASLt
@@ -296,17 +303,10 @@ class Program:
         if rec.error is not None:
             raise RecordAbort(rec.error)
         out_t = outputs
-        live = set(keep)
-        _collect(out_t, found := [])
-        live.update(found)
-        pinned_out = set(live)
-        _skip_pointer_views(rec.ops, pinned_out)
-        ops = []
-        for op in reversed(rec.ops):  # dead ops: nothing later reads what they make, and they write nothing
-            if op.pinned or any(s in live for s in op.out_slots()):
-                ops.append(op)
-                live.update(op.refs())
-        ops.reverse()
+        pinned_out = _pinned_slots(out_t, keep)
+        ops = _live_ops(rec.ops, pinned_out)
+        if _fold_allocation_views(ops, pinned_out):
+            ops = _live_ops(ops, pinned_out)
         last: dict = {}
         for i, op in enumerate(ops):
             for s in op.refs():
@@ -384,6 +384,127 @@ class Program:
         return [f"    {call}"]
 
 
+def _pinned_slots(outputs, keep: Sequence[int]) -> set:
+    """The slots a program returns (its outputs and ``keep``)."""
+    _collect(outputs, found := [])
+    return set(found) | set(keep)
+
+
+def _live_ops(ops: list, pinned: set) -> list:
+    """``ops`` without views made only for a launch's address (:func:`_skip_pointer_views`), without the ops folded
+    into an allocation (:func:`_fold_allocation_views`), and without dead ops: nothing later reads what they make,
+    and they write nothing."""
+    _skip_pointer_views(ops, pinned)
+    live = set(pinned)
+    kept = []
+    for op in reversed(ops):
+        if op.kind != "folded" and (op.pinned or any(s in live for s in op.out_slots())):
+            kept.append(op)
+            live.update(op.refs())
+    kept.reverse()
+    return kept
+
+
+def _readers(ops: list) -> dict:
+    """slot -> the ops that read it (once per op)."""
+    readers: dict = {}
+    for op in ops:
+        for s in set(op.refs()):
+            readers.setdefault(s, []).append(op)
+    return readers
+
+
+def _dense(layout) -> bool:
+    """Whether a layout's elements fill exactly its numel consecutive elements (any order): a transpose, a
+    permutation or a reshape of a fresh block, not a slice of it."""
+    shape, stride = layout[0], layout[1]
+    numel = math.prod(shape)
+    return numel > 0 and all(st > 0 for st in stride) and 1 + sum((n - 1) * st for n, st in zip(shape, stride)) == numel
+
+
+def _foldable_view(view: _Op, alloc: _Op) -> bool:
+    """Whether ``view`` (an op whose one output is a view at its first argument's address) can be allocated as
+    it is in place of the block ``alloc`` allocates (``torch.empty``): same dtype, same elements (dense, same
+    numel)."""
+    return (view.kind == "call" and view.layout is not None and isinstance(view.outs, int)
+            and alloc.kind == "call" and alloc.fn is torch.empty and alloc.layout is not None
+            and isinstance(alloc.outs, int) and view.layout[2:] == alloc.layout[2:] and _dense(view.layout)
+            and math.prod(view.layout[0]) == math.prod(alloc.layout[0]))
+
+
+def _allocate_as(alloc: _Op, layout) -> None:
+    """Turn an allocation op into ``torch.empty_strided`` of ``layout`` (the same bytes: a dense layout of the
+    same numel)."""
+    shape, stride, dtype, device = layout
+    alloc.fn, alloc.args, alloc.kwargs = torch.empty_strided, (shape, stride), {"dtype": dtype, "device": device}
+    alloc.layout = layout
+
+
+def _rename(ops: list, old: int, new: int) -> None:
+    """Make every op that reads slot ``old`` read ``new``."""
+    def sub(v):
+        if isinstance(v, _Ref):
+            return _Ref(new) if v.slot == old else v
+        if type(v) in (list, tuple):
+            return type(v)(sub(a) for a in v)
+        if type(v) is dict:
+            return {k: sub(a) for k, a in v.items()}
+        return v
+    for op in ops:
+        op.args, op.kwargs = sub(op.args), sub(op.kwargs)
+
+
+def _only_addresses(ops: list) -> bool:
+    """Whether every op here reads its tensors only for their addresses (launches through the compiled
+    launcher)."""
+    return all(op.kind == "launch" and op.entry is not None for op in ops)
+
+
+def _fold_allocation_views(ops: list, pinned: set) -> bool:
+    """Allocate a block directly in the layout of the one view the step takes of it (``torch.empty`` then
+    ``.t()`` / ``.reshape(...)`` becomes one ``torch.empty_strided``), where the block is otherwise only written
+    by launches (which take its address: the view's) and not returned: one dispatched op fewer, the same bytes at
+    the same address. Returns whether anything was folded."""
+    readers = _readers(ops)
+    producer = {op.outs: op for op in ops if op.kind == "call" and isinstance(op.outs, int)}
+    folded = False
+    for view in ops:
+        alloc = producer.get(view.alias_of) if view.kind == "call" else None
+        if alloc is None or alloc.outs in pinned or not _foldable_view(view, alloc):  # (alias_of: its address)
+            continue
+        others = [r for r in readers.get(alloc.outs, []) if r is not view]
+        if not _only_addresses(others):
+            continue
+        _allocate_as(alloc, view.layout)
+        old = alloc.outs
+        alloc.outs = view.outs
+        _rename(others, old, view.outs)
+        view.kind = "folded"
+        folded = True
+    return folded
+
+
+def fold_saved_views(fwd: Recorder, fwd_outputs: set, keep: Sequence[int], bwd: Recorder, bwd_pinned: set) -> None:
+    """:func:`_fold_allocation_views` across a forward and its backward: a block the forward allocates and only
+    launches write, kept for the backward (``keep``; not one of the forward's outputs), whose one use there is one
+    view of it (the transposed FP8 copies saved for the GEMMs, which take them as ``.t()``), is allocated in that
+    view's layout by the forward, and the backward reads it as it is."""
+    fwd_ops, bwd_ops = _live_ops(fwd.ops, fwd_outputs | set(keep)), _live_ops(bwd.ops, bwd_pinned)
+    fwd_readers, bwd_readers = _readers(fwd_ops), _readers(bwd_ops)
+    producer = {op.outs: op for op in fwd_ops if op.kind == "call" and isinstance(op.outs, int)}
+    for outer, slot in bwd.outer_refs:
+        alloc, users = producer.get(outer), bwd_readers.get(slot, [])
+        if alloc is None or outer in fwd_outputs or len(users) != 1:
+            continue
+        view = users[0]
+        if (view.alias_of != slot or view.outs in bwd_pinned or not _foldable_view(view, alloc)
+                or not _only_addresses(fwd_readers.get(outer, []))):
+            continue
+        _allocate_as(alloc, view.layout)
+        _rename(bwd_ops, view.outs, slot)
+        view.kind = "folded"
+
+
 def _skip_pointer_views(ops: list, pinned: set) -> None:
     """A view whose only readers are launches through the compiled launcher -- which take its address, equal to
     its source's, with the layout in their other arguments (``x.view(torch.uint8)`` of an FP8 buffer, a 2-D
@@ -412,8 +533,12 @@ class Pair:
     """
 
     def __init__(self, fwd: Recorder, fwd_outputs, bwd: Recorder, bwd_outputs):
-        self.bwd = Program(bwd, bwd_outputs)  # first: it fixes which forward slots the backward needs
-        self.fwd = Program(fwd, fwd_outputs, keep=[outer for outer, _ in bwd.outer_refs])
+        if fwd.error is not None or bwd.error is not None:
+            raise RecordAbort(fwd.error or bwd.error)
+        keep = [outer for outer, _ in bwd.outer_refs]  # the forward slots the backward reads
+        fold_saved_views(fwd, _pinned_slots(fwd_outputs, ()), keep, bwd, _pinned_slots(bwd_outputs, ()))
+        self.bwd = Program(bwd, bwd_outputs)
+        self.fwd = Program(fwd, fwd_outputs, keep=keep)
 
     def forward(self, inputs: Sequence):
         return self.fwd(inputs)

@@ -185,3 +185,27 @@ def test_scale_from_amax_matches_current_scale(device, fp8_dtype, transpose, ama
     dbias_out = cast_transpose_dbias(x, amax, fp8_dtype, scale_from_amax=True)
     assert_fp8_equal(dbias_out[0], rdata, fp8_dtype)
     torch.testing.assert_close(dbias_out[2], rsi, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transpose", [False, True], ids=["flat", "transpose"])
+def test_an_amax_in_the_inputs_dtype_gives_the_fp32_amaxs_bits(device, dtype, transpose):
+    # current scaling passes max|x| as computed in x's dtype (exact: a value of x); the kernels read it as fp32,
+    # so data, data_t and scale_inv equal the fp32 amax's, for cast_to_fp8 and cast_transpose_dbias alike
+    x = randn((70, 48), dtype, device, seed=4, scale=3.0)
+    amax = torch.linalg.vector_norm(x, float("inf"))
+    assert amax.dtype == dtype and amax.float() == x.float().abs().max()
+    for fn, kw in ((cast_to_fp8, dict(transpose=transpose)), (cast_transpose_dbias, {})):
+        got = fn(x, amax, torch.float8_e4m3fn, scale_from_amax=True, **kw)
+        ref = fn(x, amax.float().reshape(1), torch.float8_e4m3fn, scale_from_amax=True, **kw)
+        for g, r in zip(got, ref):
+            if g is None:
+                assert r is None
+            elif g.dtype == torch.float8_e4m3fn:
+                assert_fp8_equal(g, r, torch.float8_e4m3fn)
+            else:
+                assert torch.equal(g, r)
+    with pytest.raises(TypeError, match="scale"):  # an amax of another dtype: refused as before
+        cast_to_fp8(x, amax.to(torch.float16 if dtype == torch.bfloat16 else torch.bfloat16),
+                    torch.float8_e4m3fn, scale_from_amax=True)

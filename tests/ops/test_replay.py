@@ -105,6 +105,72 @@ def test_launches_are_replayed_through_the_compiled_launcher_with_current_addres
     assert calls == [(2, 1, 1, 1234, "fn", "packed", None, None, None, a2.data_ptr(), out2.data_ptr(), 8, 7)]
 
 
+def _copying_launcher(monkeypatch):
+    """A fake compiled launcher whose kernel copies ``nbytes`` from its second argument's address to its first's
+    (``ctypes.memmove``), recorded and replayed as a real one."""
+    import ctypes
+
+    from fp8engine.kernels import _common
+
+    def run(*a):  # (grid x3, stream, function, packed, 3 hooks, dst, src, nbytes)
+        ctypes.memmove(a[9], a[10], a[11])
+    monkeypatch.setattr(_common, "launch_now",
+                        lambda kernel, grid, args, meta: ctypes.memmove(args[0].data_ptr(), args[1].data_ptr(), args[2]))
+    monkeypatch.setattr(_common, "launch_entry", lambda kernel, args, meta: (run, "fn", "packed", ()))
+    monkeypatch.setattr(_common, "current_stream", lambda: 0)
+    return lambda dst, src: _common.launch(object(), (1,), dst.view(torch.uint8), src, src.numel() * src.element_size())
+
+
+def test_a_block_only_launches_write_is_allocated_in_the_layout_of_its_one_view(monkeypatch):
+    """``torch.empty`` + launches writing it + one ``.t()`` of it (how a GEMM takes an FP8 operand) replay as one
+    ``torch.empty_strided`` in the transposed layout: the same bytes at the same address, one op fewer. A slice of
+    a block, or a block a torch op reads too, is left as recorded."""
+    copy_into = _copying_launcher(monkeypatch)
+
+    def fn(a, src):
+        out = torch.empty(4, 8)
+        copy_into(out, src)  # the launch writes out's bytes row-major
+        other = torch.empty(4, 8)
+        copy_into(other, src)
+        return a + out.t(), other[:2] + other.sum()  # a slice, and a block torch reads: not folded
+    a, src = torch.randn(8, 4), torch.arange(32.0)
+    rec, out = _record(fn, a, src)
+    prog = replay.Program(rec, rec.template(out))
+    assert prog.source.count("empty_strided") == 0  # (the const's name is in _consts; its repr is)
+    fns = [c for c in prog._consts.values() if callable(c)]
+    assert torch.empty_strided in fns and fns.count(torch.empty) == 1, prog.source
+    assert torch.Tensor.t not in fns, prog.source
+    a2, src2 = torch.randn(8, 4), torch.randn(32)
+    (y, z), _ = prog((a2, src2))
+    ref = src2.view(4, 8)
+    assert torch.equal(y, a2 + ref.t()) and torch.equal(z, ref[:2] + ref.sum())
+
+
+def test_a_saved_block_is_allocated_by_the_forward_in_the_layout_the_backward_reads(monkeypatch):
+    """A block the forward's launches write and keeps for the backward, whose one use there is ``.t()``: the forward
+    allocates it transposed (``empty_strided``) and the backward reads it without the view op."""
+    copy_into = _copying_launcher(monkeypatch)
+
+    def forward(a, src):
+        saved = torch.empty(4, 8)
+        copy_into(saved, src)
+        return a * 2, saved
+    a, src = torch.randn(8, 4), torch.arange(32.0)
+    fwd, (y, saved) = _record(forward, a, src)
+    dy = torch.randn(8, 4)
+    bwd = replay.Recorder([dy], outer=fwd)
+    with bwd:
+        g = dy + saved.t()
+    pair = replay.Pair(fwd, fwd.template((y,)), bwd, bwd.template((g,)))
+    assert torch.Tensor.t not in pair.bwd._consts.values() and pair.bwd.n_ops == 1, pair.bwd.source
+    assert torch.empty_strided in pair.fwd._consts.values(), pair.fwd.source
+    a2, src2, dy2 = torch.randn(8, 4), torch.randn(32), torch.randn(8, 4)
+    (y2,), kept = pair.forward((a2, src2))
+    assert kept[0].shape == (8, 4) and kept[0].stride() == (1, 8)  # saved.t()'s layout, allocated as such
+    (g2,) = pair.backward((dy2,), kept)
+    assert torch.equal(y2, a2 * 2) and torch.equal(g2, dy2 + src2.view(4, 8).t())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The fused FP8 layer step
 # ---------------------------------------------------------------------------------------------------------------
