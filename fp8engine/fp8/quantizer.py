@@ -97,7 +97,7 @@ class Quantizer:
             # (detached only where grad mode would record the reduction: inside a fused op it is off)
             x_ = x.detach() if x.requires_grad and torch.is_grad_enabled() else x
             amax = torch.linalg.vector_norm(x_, float("inf"))  # in x's dtype: the kernel reads it as fp32
-        else:
+        elif amax.dtype not in (torch.float32, x.dtype) or amax.numel() != 1:
             amax = amax.float().reshape(1)
         return amax, None, True
 
@@ -106,7 +106,7 @@ class Quantizer:
         """Cast ``x [*, N]`` (float32/bf16/fp16); with ``transpose`` also the 2-D transposed copy ``[N, M]``.
 
         ``amax`` (current scaling only): ``max |x|`` computed already (e.g. MAX-reduced across ranks), as a
-        1-element float32 tensor. Kernels: one cast(-transpose) pass (current scaling: an amax pass first)."""
+        1-element tensor, float32 or x's dtype. Kernels: one cast(-transpose) pass (current scaling: an amax pass first)."""
         if use_kernels(x):
             from fp8engine.kernels.cast import cast_to_fp8
 

@@ -193,8 +193,12 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
     s, b, h = x.shape
     dt = x.dtype
     if p.w_fp8 is None:  # no weight caching: the weights cast here, as FP8WeightCache.get casts them
-        p.w_fp8 = tuple(q.weight.quantize(w, transpose=True)
-                        for q, w in ((p.qkv, w_qkv), (p.proj, w_proj), (p.fc1, w1), (p.fc2, w2)))
+        qs, ws = (p.qkv.weight, p.proj.weight, p.fc1.weight, p.fc2.weight), (w_qkv, w_proj, w1, w2)
+        # current scaling: the four amaxes in one multi-tensor op (max |w| is exact in w's dtype: the same values
+        # as each cast's own reduction would give)
+        amaxes = (torch._foreach_norm(list(ws), float("inf")) if not qs[0].delayed
+                  else (None,) * 4)
+        p.w_fp8 = tuple(q.quantize(w, transpose=True, amax=a) for q, w, a in zip(qs, ws, amaxes))
     wq8, wp8, w18, w28 = p.w_fp8
     eps1, rms1, zc1 = p.norm1
     eps2, rms2, zc2 = p.norm2

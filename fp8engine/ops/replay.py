@@ -94,15 +94,19 @@ class _Op:
     new slot, or None: not a tensor or already known); None: the result is not kept. ``pinned``: kept even when no
     later op reads its outputs (it writes into an argument, or is a launch)."""
 
-    __slots__ = ("kind", "fn", "args", "kwargs", "outs", "pinned", "entry", "grid", "meta", "alias_of", "layout")
+    __slots__ = ("kind", "fn", "args", "kwargs", "outs", "pinned", "entry", "grid", "meta", "alias_of", "layout",
+                 "view_of", "rel")
 
     def __init__(self, kind, fn, args, kwargs, outs, pinned, entry=None, grid=None, meta=None, alias_of=None,
-                 layout=None):
+                 layout=None, view_of=None, rel=0):
         self.kind, self.fn, self.args, self.kwargs, self.outs, self.pinned = kind, fn, args, kwargs, outs, pinned
         self.entry, self.grid, self.meta = entry, grid, meta
         self.alias_of = alias_of  # the slot whose address the (single) output has, for a view of it
-        # (shape, strides, dtype, device) of the output: for an allocation (``torch.empty``) and an alias view
+        # (shape, strides, dtype, device) of the output: for an allocation (``torch.empty``) and a view
         self.layout = layout
+        # for a view of its first argument (same storage, same dtype): that argument's slot, and the output's
+        # storage offset minus the argument's (elements)
+        self.view_of, self.rel = view_of, rel
 
     def out_slots(self) -> list:
         if self.outs is None:
@@ -118,8 +122,17 @@ class _Op:
         return found
 
 
+class _Offset:
+    """An argument ``slot.storage_offset() + rel`` (a view re-based on its chain's root, ``as_strided``)."""
+
+    __slots__ = ("slot", "rel")
+
+    def __init__(self, slot: int, rel: int):
+        self.slot, self.rel = slot, rel
+
+
 def _collect(v, found: list) -> None:
-    if isinstance(v, _Ref):
+    if isinstance(v, (_Ref, _Offset)):
         found.append(v.slot)
     elif type(v) in (list, tuple):
         for a in v:
@@ -241,15 +254,19 @@ class Recorder(TorchFunctionMode):
                 return  # returned an argument itself (contiguous(), to() of the same dtype)
         targs = self.template(args)
         tkwargs = {k: self.template(v) for k, v in kwargs.items()}
-        alias_of = layout = None
-        if (not mutates and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor)
-                and out.data_ptr() == args[0].data_ptr()):
-            alias_of = targs[0].slot  # a view at its argument's address (the argument is alive: not a new block)
-        if isinstance(out, torch.Tensor) and (alias_of is not None or (func is torch.empty
-                                                                        and set(kwargs) <= {"dtype", "device"})):
+        alias_of = layout = view_of = None
+        rel = 0
+        if not mutates and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+            if out.data_ptr() == args[0].data_ptr():
+                alias_of = targs[0].slot  # a view at its argument's address (the argument is alive: not a new block)
+            if (out._is_view() and out.dtype == args[0].dtype
+                    and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()):
+                view_of, rel = targs[0].slot, out.storage_offset() - args[0].storage_offset()
+        if isinstance(out, torch.Tensor) and (alias_of is not None or view_of is not None or (
+                func is torch.empty and set(kwargs) <= {"dtype", "device"})):
             layout = (tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
         self.ops.append(_Op("call", func, targs, tkwargs, self._outputs(out), mutates, alias_of=alias_of,
-                            layout=layout))
+                            layout=layout, view_of=view_of, rel=rel))
 
     def call(self, fn: Callable, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` -- a call that does not go through torch functions, such as a cuBLASLt
@@ -305,7 +322,7 @@ class Program:
         out_t = outputs
         pinned_out = _pinned_slots(out_t, keep)
         ops = _live_ops(rec.ops, pinned_out)
-        if _fold_allocation_views(ops, pinned_out):
+        if _fold_allocation_views(ops, pinned_out) | _collapse_view_chains(ops, pinned_out):
             ops = _live_ops(ops, pinned_out)
         last: dict = {}
         for i, op in enumerate(ops):
@@ -348,6 +365,8 @@ class Program:
     def _render(self, v, ptr: bool = False) -> str:
         if isinstance(v, _Ref):
             return f"s{v.slot}.data_ptr()" if ptr else f"s{v.slot}"
+        if isinstance(v, _Offset):
+            return f"s{v.slot}.storage_offset() + {v.rel}"
         if v is None or type(v) in (bool, int, str) or (type(v) is float and math.isfinite(v)):
             return repr(v)
         if type(v) is tuple:
@@ -445,6 +464,8 @@ def _rename(ops: list, old: int, new: int) -> None:
     def sub(v):
         if isinstance(v, _Ref):
             return _Ref(new) if v.slot == old else v
+        if isinstance(v, _Offset):
+            return _Offset(new, v.rel) if v.slot == old else v
         if type(v) in (list, tuple):
             return type(v)(sub(a) for a in v)
         if type(v) is dict:
@@ -482,6 +503,30 @@ def _fold_allocation_views(ops: list, pinned: set) -> bool:
         view.kind = "folded"
         folded = True
     return folded
+
+
+def _collapse_view_chains(ops: list, pinned: set) -> bool:
+    """Make each view of a view (``qkv.view(...)[..., 0, :].reshape(...).permute(...)``: a chain whose links nothing
+    else reads) one ``torch.as_strided`` of the chain's root, with the recorded sizes and strides and the storage
+    offset relative to the root's (views are functions of their argument's layout, which the key pins): one
+    dispatched op per chain instead of one per link. Returns whether anything changed."""
+    readers = _readers(ops)
+    root: dict = {}  # view slot -> (root slot, storage offset relative to the root)
+    changed = False
+    for op in ops:
+        if op.kind != "call" or op.view_of is None or not isinstance(op.outs, int) or op.layout is None:
+            continue
+        src = op.view_of
+        base, off = root.get(src, (src, 0))
+        root[op.outs] = (base, off + op.rel)
+        if (src in root and src not in pinned
+                and all(r.kind == "call" and r.view_of == src for r in readers.get(src, []))):
+            shape, stride = op.layout[0], op.layout[1]
+            op.fn, op.args, op.kwargs = torch.as_strided, (_Ref(base), shape, stride, _Offset(base, off + op.rel)), {}
+            op.view_of, op.rel = base, off + op.rel
+            op.alias_of = base if off + op.rel == 0 else None
+            changed = True
+    return changed
 
 
 def fold_saved_views(fwd: Recorder, fwd_outputs: set, keep: Sequence[int], bwd: Recorder, bwd_pinned: set) -> None:

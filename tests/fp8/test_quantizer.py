@@ -1,5 +1,7 @@
 """``Quantizer`` / ``get_quantizers``: the cast of each FP8 role against float64 references, what is recorded where,
 and the cache (one set of quantizers per state, recipe and record flag, rebuilt when any of them changes)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -63,6 +65,26 @@ def test_current_quantize_scale_rule_and_sqnr(fp8_format):
         assert out.data.float().abs().max().item() == fp8_max  # the largest element lands on fp8_max
         assert sqnr(x.double(), out.dequantize(torch.float64)) >= MIN_SQNR[quantizer.fp8_dtype]
     assert (st.amax_history == 0).all()
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_current_quantize_with_a_given_amax_in_the_inputs_dtype(kernels, dtype):
+    # an amax computed already (the fused layer's one multi-tensor reduction of its four weights) in x's dtype or
+    # float32, 0-dim or [1]: the same bits and scale_inv as the quantizer's own reduction
+    from fp8engine.fp8.float8_tensor import kernels_forced
+    from fp8engine.kernels._common import HAS_TRITON
+
+    if kernels and not HAS_TRITON:
+        pytest.skip("needs Triton")
+    q = get_quantizers(_state(), FP8Context(fe.CurrentScaling()))[0].weight
+    x = (torch.randn(96, 48, generator=torch.Generator().manual_seed(2)) * 5).to(dtype)
+    with kernels_forced() if kernels else contextlib.nullcontext():
+        ref = q.quantize(x, transpose=True)
+        for amax in (torch._foreach_norm([x], float("inf"))[0], x.abs().amax().float().reshape(1)):
+            out = q.quantize(x, transpose=True, amax=amax)
+            assert torch.equal(out.data.view(torch.uint8), ref.data.view(torch.uint8))
+            assert torch.equal(out.scale_inv, ref.scale_inv)
 
 
 def test_quantize_dbias_column_sums():

@@ -105,6 +105,29 @@ def test_launches_are_replayed_through_the_compiled_launcher_with_current_addres
     assert calls == [(2, 1, 1, 1234, "fn", "packed", None, None, None, a2.data_ptr(), out2.data_ptr(), 8, 7)]
 
 
+def test_a_chain_of_views_replays_as_one_view_of_its_root():
+    """``a.view(...)[:, 1].t()`` whose links nothing else reads replays as one ``as_strided`` of ``a`` (the recorded
+    sizes and strides, the storage offset relative to ``a``'s: right for an input at another offset too); a link
+    another op reads is kept."""
+    def fn(a):
+        b = a.view(2, 3, 4)
+        d = b[:, 1].t()  # b and b[:, 1]: links only
+        e = a.view(6, 4)[2:]
+        return d * 2, e + e.sum()  # e: read by two ops, kept; its link a.view(6, 4): collapsed into e
+    a = torch.randn(24)
+    rec, out = _record(fn, a)
+    prog = replay.Program(rec, rec.template(out))
+    fns = [c for c in prog._consts.values() if callable(c)]
+    assert fns.count(torch.as_strided) == 2 and torch.Tensor.view not in fns, prog.source
+    assert prog.n_ops == 5, prog.source  # as_strided, mul, as_strided, sum, add
+    big = torch.randn(30)
+    a2 = big[5:29]  # the same shape and strides at storage offset 5
+    (d2, e2), _ = prog((a2,))
+    assert torch.equal(d2, a2.view(2, 3, 4)[:, 1].t() * 2)
+    ref_e = a2.view(6, 4)[2:]
+    assert torch.equal(e2, ref_e + ref_e.sum())
+
+
 def _copying_launcher(monkeypatch):
     """A fake compiled launcher whose kernel copies ``nbytes`` from its second argument's address to its first's
     (``ctypes.memmove``), recorded and replayed as a real one."""
