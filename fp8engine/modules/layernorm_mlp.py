@@ -54,7 +54,9 @@ class LayerNormMLP(FP8Module):
             False runs the equivalent three-node composition (tests compare the two).
         gelu_epilogue: GELU on a GPU: fc1's GEMM applies it in cuBLASLt's epilogue and writes fc2's FP8 input
             itself (:func:`fp8engine.ops.mlp.fc1_fprop_act`). False: the GEMM, then the Triton activation kernel
-            (benchmarks compare the two).
+            (benchmarks compare the two). None (default): the epilogue where fc1's output (tokens x F) has at
+            least ``fp8engine.ops.mlp.GELU_EPILOGUE_MIN_ELEMENTS`` elements (2^27), where it gains; below, its
+            extra host work costs more than the pass it saves.
     Raises:
         ValueError: unknown activation/normalization, or the tp size does not divide ``F``.
     """
@@ -65,7 +67,7 @@ class LayerNormMLP(FP8Module):
                  device=None, init_method: Optional[Callable] = None,
                  output_layer_init_method: Optional[Callable] = None, fuse_wgrad_accumulation: bool = False,
                  tp_group=None, sequence_parallel: bool = False, set_parallel_mode: bool = False,
-                 fused: bool = True, gelu_epilogue: bool = True):
+                 fused: bool = True, gelu_epilogue: Optional[bool] = None):
         name = type(self).__name__
         check_choice("activation", activation, tuple(ACTIVATIONS), name)
         check_choice("normalization", normalization, NORMALIZATIONS, name)

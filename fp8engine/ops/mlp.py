@@ -194,20 +194,39 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
     return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t), (db if dbias else None)
 
 
+#: fc1 outputs (tokens x F) with at least this many elements take the GELU epilogue by default
+#: (``gelu_epilogue=None``), smaller ones the GEMM + the activation kernel. Why: the epilogue saves one pass over
+#: ``h`` on the GPU, which pays only at the largest layers -- the performance guide's layer (8192 x 16384 = 2^27
+#: elements): 11.21 against 11.60 ms per step (H200, docs/benchmarks.md), equal on an H100 (11.18 / 11.17); the 1b
+#: layer (2^26): 4.16 against 4.07 ms (no gain) -- while its path issues more host work per call (the cuBLASLt call
+#: from Python, a copy of an unaligned scale, the amax max-accumulate, scale_inv and a separate transpose): about
+#: 120 host us more than the GEMM + kernel in the replayed layer step at ``[128, 1, 256]``
+#: (H100, ``python tools/replay_lines.py``), where the step's time is the host's.
+GELU_EPILOGUE_MIN_ELEMENTS = 1 << 27
+
+
+def use_gelu_epilogue(gelu_epilogue: Optional[bool], tokens: int, ffn: int) -> bool:
+    """Whether fc1 asks for the GELU epilogue: ``gelu_epilogue`` when set, else (None) where its output
+    ``[tokens, ffn]`` has at least :data:`GELU_EPILOGUE_MIN_ELEMENTS` elements."""
+    return gelu_epilogue if gelu_epilogue is not None else tokens * ffn >= GELU_EPILOGUE_MIN_ELEMENTS
+
+
 def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.Tensor], out_dtype: torch.dtype,
                   kind: str, quantizer: Quantizer, *, transpose: bool,
-                  gelu_epilogue: bool = True) -> tuple[torch.Tensor, Float8Tensor]:
+                  gelu_epilogue: Optional[bool] = None) -> tuple[torch.Tensor, Float8Tensor]:
     """fc1 fprop ``h = x @ W1.T + b1`` (``[M, D]`` in ``out_dtype``) and the activation written in FP8 for fc2
     (by ``quantizer``, fc2's input role; its transpose when ``transpose``): ``(h, a_fp8)``.
 
-    With ``gelu_epilogue``, GELU, a bias, delayed scaling and a GPU whose cuBLASLt has the kernel, one GEMM with
+    With the epilogue asked for (``gelu_epilogue``: True; None: by the output's size, :func:`use_gelu_epilogue`),
+    GELU, a bias, delayed scaling and a GPU whose cuBLASLt has the kernel, one GEMM with
     the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise :func:`fp8_fprop`
     then :func:`act_fwd_cast`. Traced by ``torch.compile`` on CUDA under the same conditions: that GEMM as the
     custom op :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8` (amax into the state's history slot, as
     :func:`act_fwd_cast`'s op), which falls back inside itself where cuBLASLt cannot run the epilogue.
     """
     # not while FP8 stats record: they need the high-precision activation
-    if gelu_epilogue and kind == "gelu" and b1 is not None and quantizer.delayed and quantizer.stats is None:
+    if (kind == "gelu" and b1 is not None and quantizer.delayed and quantizer.stats is None
+            and use_gelu_epilogue(gelu_epilogue, x_fp8.data.numel() // max(x_fp8.shape[-1], 1), w1_fp8.shape[0])):
         if use_kernels(x_fp8.data):
             fused = fp8_gemm_bias_gelu(x_fp8, w1_fp8, b1, out_dtype, quantizer.scale, quantizer.fp8_dtype,
                                        quantizer.amax)
@@ -230,7 +249,7 @@ class _FP8MLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, x_fp8: Float8Tensor, w1_fp8: Float8Tensor, w2_fp8: Float8Tensor,
-                fc1: LinearQuantizers, fc2: LinearQuantizers, kind: str, fuse_wgrad: bool, gelu_epilogue: bool,
+                fc1: LinearQuantizers, fc2: LinearQuantizers, kind: str, fuse_wgrad: bool, gelu_epilogue: Optional[bool],
                 fc1_comm: Optional[LinearComm] = None, fc2_comm: Optional[LinearComm] = None,
                 x_shard: Optional[Float8Tensor] = None):
         need_x, need_w1, need_b1, need_w2 = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
@@ -293,7 +312,7 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
             fc2_bias: Optional[torch.Tensor], kind: str, fc1: LinearQuantizers, fc2: LinearQuantizers, *,
             w1_fp8: Optional[Float8Tensor] = None, w2_fp8: Optional[Float8Tensor] = None,
             x_fp8: Optional[Float8Tensor] = None, fuse_wgrad: bool = False,
-            gelu_epilogue: bool = True, fc1_comm: Optional[LinearComm] = None,
+            gelu_epilogue: Optional[bool] = None, fc1_comm: Optional[LinearComm] = None,
             fc2_comm: Optional[LinearComm] = None) -> torch.Tensor:
     """FP8 ``fc2(act(fc1(x)))`` with gradients, as one autograd node.
 
@@ -308,7 +327,9 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
         w1_fp8, w2_fp8: already cast weights (FP8 weight caching), with their transposes when a backward may run;
             cast now when None. x_fp8: ``x`` already cast (by the norm kernel); cast now when None.
         fuse_wgrad: weight gradients go to fp32 ``weight.main_grad``; ``.grad`` stays None.
-        gelu_epilogue: let fc1's GEMM apply GELU and write the FP8 activation where it can (:func:`fc1_fprop_act`).
+        gelu_epilogue: let fc1's GEMM apply GELU and write the FP8 activation where it can: True; None (default):
+            where fc1's output is large enough to gain from it (:func:`use_gelu_epilogue`); False: never
+            (:func:`fc1_fprop_act`).
         fc1_comm, fc2_comm: the tensor-parallel communication of fc1 (column parallel) and fc2 (row parallel),
             :class:`~fp8engine.ops.comm.LinearComm` objects (module docstring), or None.
     Raises:
@@ -326,7 +347,7 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
 
 
 def _unfused_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, kind, fc1, fc2, *, w1_fp8=None,
-                     w2_fp8=None, x_fp8=None, fuse_wgrad=False, gelu_epilogue=False, fc1_comm=None,
+                     w2_fp8=None, x_fp8=None, fuse_wgrad=False, gelu_epilogue=None, fc1_comm=None,
                      fc2_comm=None) -> torch.Tensor:
     """:func:`fp8_mlp` as three autograd nodes, ``fp8_linear -> activation_cast -> fp8_linear`` (the composition
     it replaced; kept as the reference the fused op is tested against, bit for bit on CPU; never uses the GELU

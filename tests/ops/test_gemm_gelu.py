@@ -83,7 +83,8 @@ def test_matches_gemm_then_activation(m, dtype):
     state.scale[3] = 100.0
     state.amax_history[3, 0] = 1e-3  # an amax recorded earlier in this step must be max-accumulated, not lost
     h_ref = fp8_gemm(x, w, dtype, bias=bias, use_fast_accum=True)
-    h, y = fc1_fprop_act(x, w, bias, dtype, "gelu", _quantizers(state)[1].input, transpose=True)
+    h, y = fc1_fprop_act(x, w, bias, dtype, "gelu", _quantizers(state)[1].input, transpose=True,
+                         gelu_epilogue=True)
     assert state.amax_history[3, 0].item() > 1e-3
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
     ref_state = ScalingState(MLP_ROLES, device="cuda")
@@ -123,6 +124,32 @@ def test_mlp_op_with_and_without_epilogue():
     for i, (u, v) in enumerate(zip(*outs)):
         assert sqnr(v.double(), u.double()) >= 30.0, i
     assert any(key[-2] == cublaslt._EPILOGUE_GELU_AUX_BIAS for key in cublaslt._get_context().plans)
+
+
+def test_the_default_asks_for_the_epilogue_by_the_outputs_size(monkeypatch):
+    # gelu_epilogue=None (the modules' default): the epilogue where fc1's output has >= 2^27 elements (where it
+    # saves GPU time), the GEMM + activation kernel below (fewer host ops); True / False force either
+    from fp8engine.ops import mlp
+
+    assert mlp.GELU_EPILOGUE_MIN_ELEMENTS == 1 << 27
+    assert mlp.use_gelu_epilogue(None, 8192, 16384) and not mlp.use_gelu_epilogue(None, 8192, 8192)
+    assert mlp.use_gelu_epilogue(True, 1, 16) and not mlp.use_gelu_epilogue(False, 8192, 16384)
+    if not torch.cuda.is_available():
+        return
+    calls = []
+    real = cublaslt.scaled_mm_bias_gelu
+    monkeypatch.setattr(cublaslt, "scaled_mm_bias_gelu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    x = fe.quantize_current((torch.randn(128, 64, generator=g)).cuda(), E4M3)
+    w = fe.quantize_current((torch.randn(256, 64, generator=g) * 0.125).cuda(), E4M3)
+    bias = torch.zeros(256, dtype=BF16, device="cuda")
+    state = ScalingState(MLP_ROLES, device="cuda")
+    q = _quantizers(state)[1].input
+    fc1_fprop_act(x, w, bias, BF16, "gelu", q, transpose=True)
+    assert calls == []  # 128 x 256: below the threshold
+    monkeypatch.setattr(mlp, "GELU_EPILOGUE_MIN_ELEMENTS", 128 * 256)
+    fc1_fprop_act(x, w, bias, BF16, "gelu", q, transpose=True)
+    assert calls == [1]
 
 
 def test_falls_back_where_the_epilogue_cannot_run():
