@@ -64,7 +64,7 @@ class Quantizer:
             unfused path while it is set.
     """
 
-    __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed", "state", "row", "stats")
+    __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed", "state", "row", "stats", "replay_key")
 
     def __init__(self, fp8_dtype: torch.dtype, kind: str, scale: Optional[torch.Tensor] = None,
                  amax: Optional[torch.Tensor] = None, role: str = "", state=None, row: int = -1, stats=None):
@@ -77,6 +77,9 @@ class Quantizer:
         # delayed scaling: the ScalingState and row the views come from (torch.compile re-slices them in the trace)
         self.state, self.row = state, row
         self.stats = stats
+        # what a replay key holds of ``scale`` and ``amax`` (fixed views for this object's life), computed once by
+        # fp8engine.ops.layer
+        self.replay_key = None
 
     @property
     def record_amax(self) -> bool:

@@ -113,8 +113,8 @@ class _FP8TransformerLayer(torch.autograd.Function):
         params = (ln1_w, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_w, ln2_b, w1, b1, w2, b2)
         if p.replay is None:
             return _forward(ctx, x, params, p)
-        inputs = _step_inputs(x, params, p)
-        key = (p.replay, tuple([replay.tensor_key(t) for t in inputs]), ctx.needs_input_grad)
+        inputs, key = _step_inputs(x, params, p)
+        key = (p.replay, key, ctx.needs_input_grad)
         state = _PROGRAMS.get(key, 0)
         if type(state) is replay.Pair:
             (out,), saved = state.forward(inputs)
@@ -161,17 +161,24 @@ class _FP8TransformerLayer(torch.autograd.Function):
         return grads
 
 
-def _step_inputs(x, params: tuple, p: LayerPlan) -> list:
+def _step_inputs(x, params: tuple, p: LayerPlan) -> tuple[list, tuple]:
     """Every tensor the step reads that it does not make: ``x``, the parameters, the FP8 weights, the scaling
-    state's views, the rotary angles (the replay's inputs, in a fixed order; None where absent)."""
+    state's views, the rotary angles (the replay's inputs, in a fixed order; None where absent), and their
+    :func:`~fp8engine.ops.replay.tensor_key` s. A quantizer's two views are the same tensors for the quantizer's
+    life (``get_quantizers`` builds new quantizers when the state's buffers change), so their keys are computed
+    once per quantizer (``Quantizer.replay_key``)."""
     inputs = [x, *params]
     for w in p.w_fp8 or ():
         inputs += (w.data, w.scale_inv, w._data_t)
+    inputs.append(p.rope)
+    key = [replay.tensor_key(t) for t in inputs]
     for gemm in (p.qkv, p.proj, p.fc1, p.fc2):
         for q in gemm:
             inputs += (q.scale, q.amax)
-    inputs.append(p.rope)
-    return inputs
+            if q.replay_key is None:
+                q.replay_key = (replay.tensor_key(q.scale), replay.tensor_key(q.amax))
+            key.append(q.replay_key)
+    return inputs, tuple(key)
 
 
 def _replay_config(p: LayerPlan):
