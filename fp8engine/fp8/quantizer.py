@@ -109,7 +109,8 @@ class Quantizer:
         """Cast ``x [*, N]`` (float32/bf16/fp16); with ``transpose`` also the 2-D transposed copy ``[N, M]``.
 
         ``amax`` (current scaling only): ``max |x|`` computed already (e.g. MAX-reduced across ranks), as a
-        1-element tensor, float32 or x's dtype. Kernels: one cast(-transpose) pass (current scaling: an amax pass first)."""
+        1-element tensor, float32 or x's dtype. Kernels: one cast(-transpose) pass (current scaling: an amax pass
+        first)."""
         if use_kernels(x):
             from fp8engine.kernels.cast import cast_to_fp8
 

@@ -249,7 +249,8 @@ class _FP8MLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, x_fp8: Float8Tensor, w1_fp8: Float8Tensor, w2_fp8: Float8Tensor,
-                fc1: LinearQuantizers, fc2: LinearQuantizers, kind: str, fuse_wgrad: bool, gelu_epilogue: Optional[bool],
+                fc1: LinearQuantizers, fc2: LinearQuantizers, kind: str, fuse_wgrad: bool,
+                gelu_epilogue: Optional[bool],
                 fc1_comm: Optional[LinearComm] = None, fc2_comm: Optional[LinearComm] = None,
                 x_shard: Optional[Float8Tensor] = None):
         need_x, need_w1, need_b1, need_w2 = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],

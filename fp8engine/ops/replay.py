@@ -24,10 +24,14 @@ How:
    ``c9(1, 1, 1, stream, c10, c11, None, None, None, s14.data_ptr(), ...)`` for a Triton kernel, through its
    compiled launcher (as the direct path of ``launch`` calls it), and compiles it with ``exec``. Ops whose outputs
    nothing uses are dropped, and each slot is released after its last use, as the ordinary code drops its
-   intermediates.
+   intermediates. Two rewrites cut dispatched ops without changing a byte: a block that only launches write and
+   whose one use is a view of it (``torch.empty`` then ``.t()``: how the GEMMs take FP8 operands) is allocated in
+   that view's layout (``torch.empty_strided``, :func:`_fold_allocation_views`), and a chain of views whose links
+   nothing else reads becomes one ``torch.as_strided`` of its root (:func:`_collapse_view_chains`).
 3. A step split in two (an autograd forward and backward) records both: the backward's recorder resolves
    tensors made in the forward to the forward's slots, and the forward program returns those (only those) for the
-   backward program to take (:class:`Pair`).
+   backward program to take (:class:`Pair`); a kept block the backward only views is allocated by the forward in
+   that view's layout (:func:`_fold_saved_views`).
 
 When a recording is sound, and when it is not (the recorder then gives up, and the caller keeps the ordinary
 code for that configuration; nothing is replayed):
@@ -438,7 +442,8 @@ def _dense(layout) -> bool:
     permutation or a reshape of a fresh block, not a slice of it."""
     shape, stride = layout[0], layout[1]
     numel = math.prod(shape)
-    return numel > 0 and all(st > 0 for st in stride) and 1 + sum((n - 1) * st for n, st in zip(shape, stride)) == numel
+    span = 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+    return numel > 0 and all(st > 0 for st in stride) and span == numel
 
 
 def _foldable_view(view: _Op, alloc: _Op) -> bool:
@@ -529,7 +534,8 @@ def _collapse_view_chains(ops: list, pinned: set) -> bool:
     return changed
 
 
-def fold_saved_views(fwd: Recorder, fwd_outputs: set, keep: Sequence[int], bwd: Recorder, bwd_pinned: set) -> None:
+def _fold_saved_views(fwd: Recorder, fwd_outputs: set, keep: Sequence[int], bwd: Recorder,
+                      bwd_pinned: set) -> None:
     """:func:`_fold_allocation_views` across a forward and its backward: a block the forward allocates and only
     launches write, kept for the backward (``keep``; not one of the forward's outputs), whose one use there is one
     view of it (the transposed FP8 copies saved for the GEMMs, which take them as ``.t()``), is allocated in that
@@ -581,7 +587,7 @@ class Pair:
         if fwd.error is not None or bwd.error is not None:
             raise RecordAbort(fwd.error or bwd.error)
         keep = [outer for outer, _ in bwd.outer_refs]  # the forward slots the backward reads
-        fold_saved_views(fwd, _pinned_slots(fwd_outputs, ()), keep, bwd, _pinned_slots(bwd_outputs, ()))
+        _fold_saved_views(fwd, _pinned_slots(fwd_outputs, ()), keep, bwd, _pinned_slots(bwd_outputs, ()))
         self.bwd = Program(bwd, bwd_outputs)
         self.fwd = Program(fwd, fwd_outputs, keep=keep)
 

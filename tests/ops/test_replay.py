@@ -137,8 +137,8 @@ def _copying_launcher(monkeypatch):
 
     def run(*a):  # (grid x3, stream, function, packed, 3 hooks, dst, src, nbytes)
         ctypes.memmove(a[9], a[10], a[11])
-    monkeypatch.setattr(_common, "launch_now",
-                        lambda kernel, grid, args, meta: ctypes.memmove(args[0].data_ptr(), args[1].data_ptr(), args[2]))
+    monkeypatch.setattr(_common, "launch_now", lambda kernel, grid, args, meta: ctypes.memmove(
+        args[0].data_ptr(), args[1].data_ptr(), args[2]))
     monkeypatch.setattr(_common, "launch_entry", lambda kernel, args, meta: (run, "fn", "packed", ()))
     monkeypatch.setattr(_common, "current_stream", lambda: 0)
     return lambda dst, src: _common.launch(object(), (1,), dst.view(torch.uint8), src, src.numel() * src.element_size())
