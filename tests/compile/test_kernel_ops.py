@@ -230,6 +230,7 @@ def test_compiled_layer_through_the_kernel_ops(monkeypatch, recipe_name, normali
     torch.manual_seed(0)
     eager = M.TransformerLayer(64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0, normalization=normalization,
                                activation=activation)
+    eager.layernorm_mlp.gelu_epilogue = True  # (by default only at large sizes: fp8engine.ops.mlp.use_gelu_epilogue)
     compiled_mod = copy.deepcopy(eager)
     compiled = torch.compile(compiled_mod, fullgraph=True)
     recipe = DelayedScaling(amax_history_len=4) if recipe_name == "delayed" else CurrentScaling()
