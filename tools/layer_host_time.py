@@ -41,7 +41,7 @@ import torch
 
 import fp8engine as fe
 from fp8engine.bench.layer import PlainBlock
-from fp8engine.bench.common import fwd_bwd_step, print_table
+from fp8engine.bench.common import add_layer_shape_args, fwd_bwd_step, print_table
 
 _LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
@@ -57,11 +57,7 @@ def _parse():
     p.add_argument("--sections", choices=["delayed", "current"],
                    help="instead: host us per step of each part of the fused FP8 layer step under this recipe")
     p.add_argument("--top", type=int, default=40, help="rows of each cProfile table (with --profile)")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=4)
+    add_layer_shape_args(p)
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no GPU visible")

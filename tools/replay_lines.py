@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from fp8engine.bench.common import add_layer_shape_args
 
 def _instrument(prog, tag: str, acc: dict) -> list:
     """Replace ``prog``'s function by a copy with a timestamp after each line; per-line host us go to ``acc``."""
@@ -64,11 +65,7 @@ def main():
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--lines", action="store_true", help="also print every line of the programs with its time")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=4)
+    add_layer_shape_args(p)
     args = p.parse_args()
 
     import fp8engine as fe

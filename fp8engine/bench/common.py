@@ -134,6 +134,14 @@ def write_json(path: str | None, name: str, rows: Sequence[dict]) -> None:
         json.dump({"env": env_info(), "name": name, "rows": list(rows)}, f, indent=2)
 
 
+def add_layer_shape_args(parser, seq: int = 128, batch: int = 1, hidden: int = 256, ffn: int = 1024,
+                         heads: int = 4) -> None:
+    """``--seq --batch --hidden --ffn --heads`` (a TransformerLayer's ``[s, b, h]``, ffn width and heads) on an
+    ``argparse`` parser, with these defaults (the host-time tools' small layer)."""
+    for name, default in (("seq", seq), ("batch", batch), ("hidden", hidden), ("ffn", ffn), ("heads", heads)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+
+
 def fwd_bwd_step(model, x, dy, recipe=None, amax_group=None, **fwd_kwargs):
     """A closure running one forward + backward of ``model`` on ``x`` with output gradient ``dy``, inside
     ``fp8engine.autocast(recipe=recipe, amax_group=amax_group)`` when ``recipe`` is given (bf16/fp32 otherwise);
