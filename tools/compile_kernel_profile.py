@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8engine as fe
+from fp8engine.bench.common import add_layer_shape_args
 from fp8engine.modules.transformer import TransformerLayer
 
 
@@ -57,11 +58,7 @@ def _profile(layer, x, dy, recipe, steps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=32)
+    add_layer_shape_args(p, seq=2048, batch=4, hidden=4096, ffn=16384, heads=32)  # the guide's layer
     p.add_argument("--recipe", choices=("delayed", "current", "block"), default="delayed")
     p.add_argument("--variants", default="eager,compile", help="comma-separated: eager, compile")
     p.add_argument("--steps", type=int, default=5)

@@ -22,15 +22,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import fp8engine as fe
-from fp8engine.bench.common import print_table, time_back_to_back, time_fn
+from fp8engine.bench.common import add_layer_shape_args, print_table, time_back_to_back, time_fn
 from fp8engine.modules.transformer import TransformerLayer
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--seq", type=int, default=2048)
-p.add_argument("--batch", type=int, default=4)
-p.add_argument("--hidden", type=int, default=4096)
-p.add_argument("--ffn", type=int, default=16384)
-p.add_argument("--heads", type=int, default=32)
+add_layer_shape_args(p, seq=2048, batch=4, hidden=4096, ffn=16384, heads=32)  # the guide's layer
 p.add_argument("--iters", type=int, default=20)
 p.add_argument("--skip-gemm", action="store_true")
 p.add_argument("--skip-sdpa", action="store_true")

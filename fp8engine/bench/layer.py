@@ -32,8 +32,8 @@ from torch import nn
 
 import fp8engine as fe
 from fp8engine._cli import CommandParser
-from fp8engine.bench.common import (env_info, fwd_bwd_step, peak_memory_gib, print_table, time_back_to_back, time_fn,
-                                    write_json)
+from fp8engine.bench.common import (add_layer_shape_args, env_info, fwd_bwd_step, peak_memory_gib, print_table,
+                                    time_back_to_back, time_fn, write_json)
 from fp8engine.bench.torchao_ref import torchao_available, torchao_float8
 
 
@@ -192,11 +192,7 @@ def run_tp(args) -> list[dict]:
 
 def main(argv=None) -> int:
     p = CommandParser(prog="python -m fp8engine.bench layer", description=__doc__)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=32)
+    add_layer_shape_args(p, seq=2048, batch=4, hidden=4096, ffn=16384, heads=32)  # the guide's layer
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1, help="time the rows this many times, interleaved; report medians")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")

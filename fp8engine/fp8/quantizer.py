@@ -93,7 +93,8 @@ class Quantizer:
         turns into scale 1.0): one dispatched op where a zero-filled buffer plus a Triton amax launch cost about
         twice the host time per cast (``python tools/layer_host_profile.py --recipe current``). It stays in x's
         dtype (exact: a value of x) and the cast kernel converts it as it loads it: a ``.float()`` op per cast
-        saved (13-30 host us each in the replayed current-scaling step, H100, ``python tools/replay_lines.py``)."""
+        saved (12-30 host us each in the replayed current-scaling step, H100, commit da4d931, per-line timing by
+        the probe kept as ``tools/replay_lines.py``)."""
         if self.delayed:
             return self.scale, self.amax, False
         if amax is None:

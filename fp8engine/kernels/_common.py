@@ -260,11 +260,14 @@ def fp8_format(fp8_dtype: torch.dtype, op: str) -> tuple[float, bool]:
     return FP8_FORMATS[fp8_dtype][0], fp8_dtype == torch.float8_e4m3fn
 
 
-def check_scalar_f32(t: torch.Tensor | None, name: str, device: torch.device, op: str) -> None:
+def check_scalar_f32(t: torch.Tensor | None, name: str, device: torch.device, op: str,
+                     also: torch.dtype | None = None) -> None:
+    """``t``: None, or a 1-element float32 tensor (or of dtype ``also``) on ``device``; TypeError / ValueError."""
     if t is None:
         return
-    if t.dtype != torch.float32 or t.numel() != 1:
-        raise TypeError(f"{op}: {name} must be a 1-element float32 tensor, got {t.dtype} with shape {tuple(t.shape)}")
+    if t.dtype not in (torch.float32, also) or t.numel() != 1:
+        kind = "float32" if also is None else f"float32 or {also}"
+        raise TypeError(f"{op}: {name} must be a 1-element {kind} tensor, got {t.dtype} with shape {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device} but the input is on {device}")
 
@@ -478,9 +481,10 @@ def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
     (:func:`_sum_partials_kernel`, a fixed order for a given shape, no atomics: deterministic) into one new tensor.
     It replaced torch's ``partials.sum(0).to(out_dtype)`` -- two dispatched ops, the sum's TensorIterator setup
     included -- because an FP8 layer step makes six of these reductions and its replayed program
-    (:mod:`fp8engine.ops.replay`) calls a compiled launcher directly: 17-50 host us per ``sum`` + ``to`` pair against
-    ~15 per allocation + launch in the replayed delayed-scaling step (H100, per-line timing of the replayed program,
-    ``python tools/replay_lines.py``). Reference: :func:`sum_partials_reference`. ``P`` may be 0 (zeros)."""
+    (:mod:`fp8engine.ops.replay`) calls a compiled launcher directly: 31-64 host us per ``sum`` + ``to`` pair against
+    15-25 per allocation + launch in the replayed delayed-scaling step (H100, commit da4d931, 2026-11-26, per-line
+    timing of the replayed program by the probe kept as ``tools/replay_lines.py``). Reference:
+    :func:`sum_partials_reference`. ``P`` may be 0 (zeros)."""
     p, n = partials.shape
     out = torch.empty(n, dtype=out_dtype, device=partials.device)
     if n:

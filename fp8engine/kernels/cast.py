@@ -199,12 +199,8 @@ def transpose_fp8_reference(data: torch.Tensor) -> torch.Tensor:
 def _check_cast_args(x, scale, fp8_dtype, amax_out, op, scale_from_amax=False):
     check_launchable(x, op)
     check_hp(x, "x", op)
-    if scale_from_amax and scale.dtype == x.dtype:  # an amax of x in x's dtype: exact (a value of x)
-        if scale.numel() != 1 or scale.device != x.device:
-            raise ValueError(f"{op}: the amax must be a 1-element tensor on {x.device}, got shape "
-                             f"{tuple(scale.shape)} on {scale.device}")
-    else:
-        check_scalar_f32(scale, "scale", x.device, op)
+    # with scale_from_amax, an amax of x may be in x's dtype (exact: a value of x)
+    check_scalar_f32(scale, "scale", x.device, op, also=x.dtype if scale_from_amax else None)
     check_scalar_f32(amax_out, "amax_out", x.device, op)
     return fp8_format(fp8_dtype, op)
 

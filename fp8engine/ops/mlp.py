@@ -198,10 +198,10 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
 #: (``gelu_epilogue=None``), smaller ones the GEMM + the activation kernel. Why: the epilogue saves one pass over
 #: ``h`` on the GPU, which pays only at the largest layers -- the performance guide's layer (8192 x 16384 = 2^27
 #: elements): 11.21 against 11.60 ms per step (H200, docs/benchmarks.md), equal on an H100 (11.18 / 11.17); the 1b
-#: layer (2^26): 4.16 against 4.07 ms (no gain) -- while its path issues more host work per call (the cuBLASLt call
-#: from Python, a copy of an unaligned scale, the amax max-accumulate, scale_inv and a separate transpose): about
-#: 120 host us more than the GEMM + kernel in the replayed layer step at ``[128, 1, 256]``
-#: (H100, ``python tools/replay_lines.py``), where the step's time is the host's.
+#: layer (2^26): 4.16 against 4.07 ms (no gain) -- while its path issues more host work per call, about 80 host us
+#: in the replayed layer step at ``[128, 1, 256]``, where the step's time is the host's: the cuBLASLt call from Python
+#: 60 against a ``_scaled_mm``'s 48, a copy of the unaligned scale 30, the amax max-accumulate 20, scale_inv 14, plus
+#: a separate transpose (H100, ``python tools/replay_lines.py``, commit c4f1f89, 2026-11-26).
 GELU_EPILOGUE_MIN_ELEMENTS = 1 << 27
 
 
