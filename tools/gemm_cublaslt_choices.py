@@ -8,7 +8,9 @@ Prints, per GEMM (qkv / proj / fc1 / fc2 x fprop / dgrad / wgrad at ``[seq * bat
   GEMM (beta = 1);
 - max |difference| of algorithm 0 against ``_scaled_mm`` (must be ~0: same math);
 - for fprop also torch's rowwise-scaled dispatch with all scales equal (same math, a CUTLASS kernel on sm90);
-and the host microseconds per call of both entry points (GPU kept busy by a sleep kernel).
+and the host microseconds per call of the entry points (``torch._scaled_mm``, ``cublaslt.gemm`` -- what eager
+``fp8_mm`` calls on CUDA -- and its planned site alone, as a replayed step calls it; GPU kept busy by a sleep
+kernel). ``--host-only``: only that table.
 Cases run interleaved over ``--rounds`` rounds; medians reported (the board's clock drifts under its power cap).
 
 Usage: python tools/gemm_cublaslt_choices.py [--tokens 8192 --hidden 4096 --ffn 16384] [--algos 16] [--rounds 3]
@@ -28,6 +30,7 @@ p.add_argument("--ffn", type=int, default=16384)
 p.add_argument("--algos", type=int, default=16, help="how many of cuBLASLt's ranked algorithms to time")
 p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--iters", type=int, default=10)
+p.add_argument("--host-only", action="store_true", help="only the host microseconds per call")
 args = p.parse_args()
 t, h, f = args.tokens, args.hidden, args.ffn
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
@@ -111,8 +114,16 @@ def host_cost():
     a = torch.randn(64, 64, device="cuda").to(E4M3)
     out = torch.empty(64, 64, device="cuda", dtype=BF16)
     mg = torch.zeros(64, 64, device="cuda")
+    one1 = one.reshape(1)
+    bias = torch.zeros(64, device="cuda", dtype=BF16)
+    cublaslt.gemm(a, one1, a, one1, BF16, bias, True)  # plans the site
+    site = next(s for s in cublaslt._get_context().sites.values() if not isinstance(s, str))
     cases = {
         "torch._scaled_mm (bf16 out)": lambda: torch._scaled_mm(a, a.t(), one, one, out_dtype=BF16),
+        "torch._scaled_mm (bf16 out, bias, fast accumulation)": lambda: torch._scaled_mm(
+            a, a.t(), one, one, bias=bias, out_dtype=BF16, use_fast_accum=True),
+        "cublaslt.gemm (fp8_mm's eager CUDA path, same call)": lambda: cublaslt.gemm(a, one1, a, one1, BF16, bias, True),
+        "its planned site alone (what a replayed step calls)": lambda: site(a, one1, a, one1, out, bias),
         "cublaslt.scaled_mm (bf16 out)": lambda: cublaslt.scaled_mm(a, one, a, one, out),
         "torch._scaled_mm fp32 + add_": lambda: mg.add_(torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.float32)),
         "cublaslt.scaled_mm_accumulate": lambda: cublaslt.scaled_mm_accumulate(a, one, a, one, mg),
@@ -121,4 +132,5 @@ def host_cost():
 
 
 host_cost()
-main()
+if not args.host_only:
+    main()

@@ -4,7 +4,8 @@
 At the small layer shape ``[128, 1, 256]`` (ffn 1024, 4 heads) the GPU work is negligible, so a step's time is the
 host's: Python, autograd and the dispatcher. For the plain PyTorch bf16 block (``fp8engine.bench.layer.PlainBlock``),
 our TransformerLayer in bf16, and under FP8 delayed and current scaling (the fused layer step, replayed from its
-recording as the layer runs it by default, and with the replay off: :mod:`fp8engine.ops.replay`; and with
+recording as the layer runs it by default, with its GEMMs through ``torch._scaled_mm`` instead of the direct
+cuBLASLt call (``fp8engine.ops.gemm.CUBLASLT_GEMM``), and with the replay off: :mod:`fp8engine.ops.replay`; and with
 ``fused=False`` the sublayers one by one), it prints per fwd+bwd step:
 
 - ``host ms``: median wall time of the step's issue (``time.perf_counter`` around forward + backward, the GPU
@@ -126,13 +127,16 @@ def main():
     cases = [("plain PyTorch block bf16", plain, None), ("TransformerLayer bf16", ours, None),
              ("TransformerLayer fp8 delayed", ours, fe.DelayedScaling()),
              ("TransformerLayer fp8 current", ours, fe.CurrentScaling()),
+             ("TransformerLayer fp8 delayed, torch._scaled_mm", ours, fe.DelayedScaling()),
+             ("TransformerLayer fp8 current, torch._scaled_mm", ours, fe.CurrentScaling()),
              ("TransformerLayer fp8 delayed, replay off", ours, fe.DelayedScaling()),
              ("TransformerLayer fp8 current, replay off", ours, fe.CurrentScaling()),
              ("TransformerLayer fp8 delayed, fused=False", composed, fe.DelayedScaling()),
              ("TransformerLayer fp8 current, fused=False", composed, fe.CurrentScaling())]
     rows, by_name, runs = [], {}, []
     for name, model, recipe in cases:
-        run = _replay_switch(fwd_bwd_step(model, x, dy, recipe), not name.endswith("replay off"))
+        run = _switch(fwd_bwd_step(model, x, dy, recipe), not name.endswith("replay off"),
+                      not name.endswith("torch._scaled_mm"))
         for _ in range(3):  # warm-up: caches, the first scale update, Triton compilation on CUDA
             run()
         runs.append(run)
@@ -159,16 +163,19 @@ def main():
             print(f"{n:5d}  {op}")
 
 
-def _replay_switch(run, on: bool):
-    """``run`` with the fused step's replay of recorded steps (``fp8engine.ops.layer.REPLAY``) on or off."""
+def _switch(run, replay_on: bool, cublaslt_on: bool):
+    """``run`` with the fused step's replay of recorded steps (``fp8engine.ops.layer.REPLAY``) on or off, and the
+    eager CUDA GEMMs through cuBLASLt directly (``fp8engine.ops.gemm.CUBLASLT_GEMM``) or ``torch._scaled_mm``."""
+    import fp8engine.ops.gemm as gemm
     import fp8engine.ops.layer as fused
 
     def switched():
-        saved, fused.REPLAY = fused.REPLAY, on
+        saved = fused.REPLAY, gemm.CUBLASLT_GEMM
+        fused.REPLAY, gemm.CUBLASLT_GEMM = replay_on, cublaslt_on
         try:
             run()
         finally:
-            fused.REPLAY = saved
+            fused.REPLAY, gemm.CUBLASLT_GEMM = saved
     return switched
 
 

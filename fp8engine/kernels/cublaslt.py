@@ -34,7 +34,7 @@ import torch
 
 from fp8engine.kernels import _common
 
-__all__ = ["available", "scaled_mm_accumulate", "scaled_mm", "scaled_mm_bias_gelu", "CublasLtError",
+__all__ = ["available", "gemm", "scaled_mm_accumulate", "scaled_mm", "scaled_mm_bias_gelu", "CublasLtError",
            "CublasLtUnsupported"]
 
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF, _CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 0, 2, 14, 28, 29
@@ -47,7 +47,7 @@ _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_D_SCALE_POINTER, _DESC_AMAX_
 _DESC_EPILOGUE_AUX_DATA_TYPE, _DESC_FAST_ACCUM, _DESC_BIAS_DATA_TYPE = 22, 25, 26
 _STATUS_NOT_SUPPORTED = 15  # cublasStatus_t
 # cublasLtEpilogue_t
-_EPILOGUE_DEFAULT, _EPILOGUE_GELU_AUX_BIAS = 1, 164
+_EPILOGUE_DEFAULT, _EPILOGUE_BIAS, _EPILOGUE_GELU_AUX_BIAS = 1, 4, 164
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # MIN_ALIGNMENT_{A,B,C,D}_BYTES
@@ -125,7 +125,8 @@ class _Plan:
     """Descriptors and the algorithm of one GEMM configuration: built once, reused for every call of it.
 
     Column-major sizes: ``D [m, n] (+)= op_T(A [k, m]) @ B [k, n]``; ``align`` = byte alignments of A, B and C = D.
-    ``epilogue`` is a cublasLtEpilogue_t; with ``_EPILOGUE_GELU_AUX_BIAS`` the bias and the aux output are of
+    ``epilogue`` is a cublasLtEpilogue_t; with ``_EPILOGUE_BIAS`` the bias is of ``hp_type``; with
+    ``_EPILOGUE_GELU_AUX_BIAS`` the bias and the aux output are of
     ``hp_type`` (aux ``[m, n]``, leading dim m) and D is FP8, whose C layout must be ``hp_type`` too (C is not read:
     beta = 0, passed as NULL). ``extra_attrs``: more ``(cublasLtMatmulDescAttributes_t, ctypes value)`` pairs set on
     the descriptor before the heuristic is asked (``tools/probe_block_gemm.py --algos``: the block scale modes and
@@ -140,9 +141,9 @@ class _Plan:
         attrs = [(_DESC_TRANSA, ctypes.c_int32(_CUBLAS_OP_T)), (_DESC_TRANSB, ctypes.c_int32(_CUBLAS_OP_N)),
                  (_DESC_FAST_ACCUM, ctypes.c_int8(int(fast_accum)))]
         if epilogue != _EPILOGUE_DEFAULT:
-            attrs += [(_DESC_EPILOGUE, ctypes.c_uint32(epilogue)), (_DESC_BIAS_DATA_TYPE, ctypes.c_int32(hp_type)),
-                      (_DESC_EPILOGUE_AUX_DATA_TYPE, ctypes.c_int32(hp_type)),
-                      (_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))]
+            attrs += [(_DESC_EPILOGUE, ctypes.c_uint32(epilogue)), (_DESC_BIAS_DATA_TYPE, ctypes.c_int32(hp_type))]
+        if epilogue == _EPILOGUE_GELU_AUX_BIAS:
+            attrs += [(_DESC_EPILOGUE_AUX_DATA_TYPE, ctypes.c_int32(hp_type)), (_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))]
         for attr, val in (*attrs, *extra_attrs):
             _check(lib.MatmulDescSetAttribute(self.desc, attr, ctypes.byref(val), ctypes.sizeof(val)),
                    "MatmulDescSetAttribute")
@@ -184,6 +185,7 @@ class _Context:
 
     def __init__(self, lib: _Lib):
         self.lib, self.handles, self.plans, self.lock = lib, {}, {}, threading.Lock()
+        self.sites: dict = {}  # gemm()'s call sites: key -> _Site, or the CublasLtUnsupported message
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha and beta (host pointer mode)
         self.ptr = ctypes.c_void_p()  # holds a device pointer while it is copied into a descriptor
 
@@ -321,6 +323,108 @@ def _launch_now(a, a_scale_inv, b, b_scale_inv, out, *, accumulate: bool, fast_a
                           ctypes.byref(plan.result.algo), None if workspace is None else workspace.data_ptr(),
                           plan.workspace_size, torch._C._cuda_getCurrentRawStream(index)),  # current stream
                "cublasLtMatmul")
+
+
+class _Site:
+    """One configuration of :func:`gemm`, planned once (its own descriptor, layouts and algorithm) and called as
+    ``site(a, a_scale_inv, b, b_scale_inv, out, bias)``: the per-call work is the scale / bias pointers written into
+    the descriptor when they changed since the site's last call, a workspace when the algorithm wants one, and the
+    ``cublasLtMatmul`` call on the current stream. A replayed step (:mod:`fp8engine.ops.replay`) calls the site
+    itself: none of :func:`gemm`'s key building or checks, none of ``torch._scaled_mm``'s per-call descriptor set-up
+    and heuristic query."""
+
+    __slots__ = ("lib", "handle", "plan", "index", "device", "ptrs", "lock", "args", "__weakref__")
+
+    def __init__(self, ctx: _Context, device: torch.device, plan: _Plan):
+        self.lib, self.handle, self.plan, self.lock = ctx.lib, ctx.handle(device), plan, ctx.lock
+        self.index, self.device = device.index, device
+        self.ptrs = (None, None, None)  # the scale and bias pointers the descriptor holds
+        # the constant arguments of cublasLtMatmul, as ctypes objects once (byref: pointers to them)
+        self.args = (ctypes.byref(ctx.one), ctypes.byref(ctx.zero), ctypes.byref(plan.result.algo))
+
+    def __call__(self, a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                 out: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        lib, plan = self.lib, self.plan
+        ptrs = (b_scale_inv.data_ptr(), a_scale_inv.data_ptr(), None if bias is None else bias.data_ptr())
+        workspace = torch.empty(plan.workspace_size, dtype=torch.uint8, device=self.device) \
+            if plan.workspace_size else None
+        guard = nullcontext() if torch._C._cuda_getDevice() == self.index else torch.cuda.device(self.index)
+        with self.lock, guard:
+            if ptrs != self.ptrs:
+                for attr, new, old in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_BIAS_POINTER), ptrs,
+                                          self.ptrs):
+                    if new is not None and new != old:
+                        value = ctypes.c_void_p(new)
+                        _check(lib.MatmulDescSetAttribute(plan.desc, attr, ctypes.byref(value), 8),
+                               "MatmulDescSetAttribute")
+                self.ptrs = ptrs
+            one, zero, algo = self.args
+            out_ptr = out.data_ptr()
+            # column-major view (module docstring): D = out^T, A = b (op T), B = a; C = D (beta = 0: not read)
+            _check(lib.Matmul(self.handle, plan.desc, one, b.data_ptr(), plan.a_layout, a.data_ptr(), plan.b_layout,
+                              zero, out_ptr, plan.c_layout, out_ptr, plan.d_layout, algo,
+                              None if workspace is None else workspace.data_ptr(), plan.workspace_size,
+                              torch._C._cuda_getCurrentRawStream(self.index)),
+                   "cublasLtMatmul")
+
+
+def _pointer_alignment(ptr: int) -> int:
+    """:func:`_alignment` without the loop: the lowest set bit of ``ptr``, at most 256."""
+    return min(ptr & -ptr, 256) if ptr else 256
+
+
+def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+         out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+         use_fast_accum: bool = False) -> Optional[torch.Tensor]:
+    """``torch._scaled_mm``'s tensor-wise FP8 GEMM, called through cuBLASLt directly:
+    ``out = (a * a_scale_inv) @ (b * b_scale_inv).T (+ bias)`` as a new ``[M, N]`` tensor of ``out_dtype``.
+
+    The same cuBLASLt call ``torch._scaled_mm`` makes (torch 2.11-2.13, ``at::cuda::blas::scaled_gemm``): FP8 A and
+    B with device scale pointers, fp32 compute, the bias in the ``BIAS`` epilogue, the heuristic's first algorithm
+    for a 32 MiB workspace (torch's Hopper default), so the same bits (``tests/ops/test_gemm_cublaslt.py`` compares
+    them on the GPU) -- at a fraction of the host cost: torch sets up descriptors and asks the heuristic on every
+    call (~45 host us per call on the H100), this plans each configuration once (:class:`_Site`).
+
+    Args:
+        a: ``[M, K]`` FP8, b: ``[N, K]`` FP8, contiguous row-major CUDA tensors on one device, not both E5M2.
+        a_scale_inv, b_scale_inv: 1-element float32 dequantization factors on that device.
+        out_dtype: float32, bfloat16 or float16. bias: None or ``[N]`` contiguous of ``out_dtype`` (bf16 / fp16).
+        use_fast_accum: cuBLASLt's fast accumulation (fprop).
+    Returns None where this call does not apply and the caller runs ``torch._scaled_mm`` instead: no cuBLASLt, a
+    non-contiguous operand, M = 0, or no cuBLASLt algorithm for the configuration (remembered per configuration).
+    The caller checks dtypes and K / N (multiples of 16), as :func:`fp8engine.ops.gemm.fp8_mm` does.
+    """
+    ctx = _get_context()
+    if ctx is None or not (a.is_contiguous() and b.is_contiguous()) or a.shape[0] == 0:
+        return None
+    if bias is not None and (bias.dtype != out_dtype or not bias.is_contiguous()):
+        return None
+    (m, k), n = a.shape, b.shape[0]
+    device = a.device
+    key = (device.index, m, n, k, a.dtype, b.dtype, out_dtype, use_fast_accum, None if bias is None else bias.dtype,
+           _pointer_alignment(a.data_ptr()), _pointer_alignment(b.data_ptr()))
+    site = ctx.sites.get(key)
+    if site is None:
+        epilogue = _EPILOGUE_DEFAULT if bias is None else _EPILOGUE_BIAS
+        hp_type = None if bias is None else _OUT_CUDA_TYPE[bias.dtype]
+        # Column-major view: D [n, m] = op_T(b [k, n]) @ a [k, m]; the output is a fresh block (256-byte aligned)
+        try:
+            with ctx.lock:
+                plan = _Plan(ctx.lib, ctx.handle(device), n, m, k, _FP8_CUDA_TYPE[b.dtype], _FP8_CUDA_TYPE[a.dtype],
+                             _OUT_CUDA_TYPE[out_dtype], (key[-1], key[-2], 256), use_fast_accum, 0, epilogue, hp_type)
+            site = _Site(ctx, device, plan)
+        except CublasLtUnsupported as err:
+            site = str(err)
+        ctx.sites[key] = site
+    if isinstance(site, str):
+        return None
+    out = torch.empty(m, n, dtype=out_dtype, device=device)
+    recorder = _common.RECORDER.get()
+    if recorder is not None:
+        recorder.call(site, a, a_scale_inv, b, b_scale_inv, out, bias)
+    else:
+        site(a, a_scale_inv, b, b_scale_inv, out, bias)
+    return out
 
 
 def _require_context(what: str) -> None:

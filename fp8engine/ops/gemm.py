@@ -1,4 +1,6 @@
-"""FP8 GEMM through ``torch._scaled_mm`` (CPU and CUDA), with the layout rules handled.
+"""FP8 GEMM through ``torch._scaled_mm`` (CPU, compiled code) or, in eager CUDA code, the same cuBLASLt call made
+directly (:func:`fp8engine.kernels.cublaslt.gemm`, planned once per configuration: a fraction of the host cost), with
+the layout rules handled.
 
 ``fp8_gemm(a, b)`` computes ``a @ b.T`` (the "TN" form every Linear GEMM reduces to):
 - fprop  ``y  = x  @ w.T``:  a = x  ``[M, K]``,    b = w   ``[N, K]``
@@ -9,6 +11,7 @@ exactly that, so no copy is made here. Both inner and output dims must be multip
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -22,6 +25,9 @@ __all__ = ["fp8_gemm", "fp8_fprop", "fp8_gemm_bias_gelu", "fp8_mm", "fp8_mm_accu
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ALIGN = 16  # cuBLASLt FP8 requires K and N to be multiples of 16 (torch._scaled_mm checks it on CUDA)
+#: Eager CUDA GEMMs call cuBLASLt directly (:func:`fp8engine.kernels.cublaslt.gemm`: the call torch._scaled_mm
+#: makes, planned once per configuration); ``FP8ENGINE_CUBLASLT_GEMM=0`` (read at import) calls torch._scaled_mm.
+CUBLASLT_GEMM = os.environ.get("FP8ENGINE_CUBLASLT_GEMM", "1") != "0"
 
 
 def check_gemm_dims(in_features: int, out_features: int, what: str = "Linear") -> None:
@@ -76,10 +82,14 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
     if n % _ALIGN:
         raise ValueError(f"FP8 GEMM output dim N={n} is not a multiple of 16; pad the feature dim to a multiple of 16")
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
-    # 1-element scales go in as they are: _scaled_mm takes numel() == 1 as tensor-wise scaling (a reshape to 0-d
-    # would be one more dispatched op per GEMM on the host's hot path)
-    out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
-                           bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    out = None
+    if CUBLASLT_GEMM and a.is_cuda and use_kernels(a):  # eager CUDA: torch._scaled_mm's cuBLASLt call, planned once
+        out = cublaslt.gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias if fused_bias else None, use_fast_accum)
+    if out is None:  # 1-element scales
+        # go in as they are: _scaled_mm takes numel() == 1 as tensor-wise scaling (a reshape to 0-d would be one
+        # more dispatched op per GEMM on the host's hot path)
+        out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
+                               bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     if bias is not None and not fused_bias:
         out = out + bias.to(out_dtype)
     return out
