@@ -1,6 +1,8 @@
-"""The FP8 GEMMs ``torch._scaled_mm`` cannot express, called through ``ctypes`` on the cuBLASLt library the CUDA
-build of torch already loaded (no C++ build): accumulation into the output (cuBLASLt's
-``D = alpha * (A @ B) + beta * C`` with ``beta = 1``) and the ``GELU_AUX_BIAS`` epilogue with an FP8 output.
+"""FP8 GEMMs called through ``ctypes`` on the cuBLASLt library the CUDA build of torch already loaded (no C++
+build): the two ``torch._scaled_mm`` cannot express -- accumulation into the output (cuBLASLt's
+``D = alpha * (A @ B) + beta * C`` with ``beta = 1``) and the ``GELU_AUX_BIAS`` epilogue with an FP8 output -- and
+the one it can, at less host cost (:func:`gemm`: the same cuBLASLt call, planned once per configuration; eager CUDA
+``fp8_mm`` calls it).
 
 ``torch._scaled_mm`` (and ``torch.nn.functional.scaled_mm``, torch 2.11-2.13) has no accumulate input, so
 ``fuse_wgrad_accumulation`` would otherwise be a GEMM into a fresh fp32 tensor plus ``main_grad.add_`` (one more
@@ -18,7 +20,8 @@ kernels take on Hopper.
 
 Constants are the values in CUDA 12/13's ``library_types.h`` (cudaDataType_t), ``cublas_api.h``
 (cublasComputeType_t, cublasOperation_t) and ``cublasLt.h`` (descriptor / preference attributes).
-Public: :func:`scaled_mm_accumulate` (the wgrad into ``main_grad``), :func:`scaled_mm` (any fp32/bf16/fp16 output,
+Public: :func:`gemm` (``torch._scaled_mm``'s tensor-wise GEMM), :func:`scaled_mm_accumulate` (the wgrad into
+``main_grad``), :func:`scaled_mm` (any fp32/bf16/fp16 output,
 optionally accumulating, with a choice of cuBLASLt's ranked algorithms), :func:`scaled_mm_bias_gelu` and
 :func:`available`.
 """
@@ -368,6 +371,11 @@ class _Site:
                    "cublasLtMatmul")
 
 
+#: Most configurations :func:`gemm` plans (each keeps its cuBLASLt descriptors for the process's life); beyond them
+#: it declines new ones. A training run uses a few dozen; token-by-token generation adds some per sequence length.
+_MAX_SITES = 4096
+
+
 def _pointer_alignment(ptr: int) -> int:
     """:func:`_alignment` without the loop: the lowest set bit of ``ptr``, at most 256."""
     return min(ptr & -ptr, 256) if ptr else 256
@@ -391,7 +399,8 @@ def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_in
         out_dtype: float32, bfloat16 or float16. bias: None or ``[N]`` contiguous of ``out_dtype`` (bf16 / fp16).
         use_fast_accum: cuBLASLt's fast accumulation (fprop).
     Returns None where this call does not apply and the caller runs ``torch._scaled_mm`` instead: no cuBLASLt, a
-    non-contiguous operand, M = 0, or no cuBLASLt algorithm for the configuration (remembered per configuration).
+    non-contiguous operand, M = 0, no cuBLASLt algorithm for the configuration (remembered per configuration), or
+    ``_MAX_SITES`` configurations planned already.
     The caller checks dtypes and K / N (multiples of 16), as :func:`fp8engine.ops.gemm.fp8_mm` does.
     """
     ctx = _get_context()
@@ -405,6 +414,8 @@ def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_in
            _pointer_alignment(a.data_ptr()), _pointer_alignment(b.data_ptr()))
     site = ctx.sites.get(key)
     if site is None:
+        if len(ctx.sites) >= _MAX_SITES:  # shapes that keep changing (generation): torch._scaled_mm plans per call
+            return None
         epilogue = _EPILOGUE_DEFAULT if bias is None else _EPILOGUE_BIAS
         hp_type = None if bias is None else _OUT_CUDA_TYPE[bias.dtype]
         # Column-major view: D [n, m] = op_T(b [k, n]) @ a [k, m]; the output is a fresh block (256-byte aligned)

@@ -109,3 +109,13 @@ def test_fp8_mm_on_cpu_does_not_call_cublaslt(monkeypatch):
 @pytest.mark.parametrize("ptr", [0, 1, 2, 48, 96, 256, 512, 4096 + 16, (1 << 40) + 128, (1 << 40) + 8])
 def test_pointer_alignment_equals_the_loop(ptr):
     assert cublaslt._pointer_alignment(ptr) == cublaslt._alignment(ptr)
+
+
+@cuda
+def test_gemm_declines_new_configurations_beyond_the_cap(monkeypatch):
+    a, b = _operand(80, 32, E4M3, 0), _operand(48, 32, E4M3, 1)
+    monkeypatch.setattr(cublaslt, "_MAX_SITES", len(cublaslt._get_context().sites))
+    assert cublaslt.gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float16) is None  # not planned: declined
+    out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float16)  # torch._scaled_mm then
+    ref = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=torch.float16)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
