@@ -393,7 +393,7 @@ def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_in
     them on the GPU). torch sets up descriptors and asks the heuristic on every call; this plans each configuration
     once (:class:`_Site`), and a replayed step calls the planned site alone: 13.6 host us against
     ``torch._scaled_mm``'s 19.9 in ``python tools/gemm_cublaslt_choices.py --host-only`` (this function with its key
-    and output allocation: 19.9), the FP8 layer step at ``[128, 1, 256]`` 2-10 % less host time
+    and output allocation: 19.9), the FP8 delayed layer step at ``[128, 1, 256]`` 2-10 % less host time
     (``python tools/layer_host_time.py``'s ``torch._scaled_mm`` rows; one H100 80GB HBM3, torch 2.11.0+cu130,
     2026-11-27).
 
