@@ -122,7 +122,8 @@ def host_cost():
         "torch._scaled_mm (bf16 out)": lambda: torch._scaled_mm(a, a.t(), one, one, out_dtype=BF16),
         "torch._scaled_mm (bf16 out, bias, fast accumulation)": lambda: torch._scaled_mm(
             a, a.t(), one, one, bias=bias, out_dtype=BF16, use_fast_accum=True),
-        "cublaslt.gemm (fp8_mm's eager CUDA path, same call)": lambda: cublaslt.gemm(a, one1, a, one1, BF16, bias, True),
+        "cublaslt.gemm (fp8_mm's eager CUDA path, same call)": lambda: cublaslt.gemm(a, one1, a, one1, BF16, bias,
+                                                                                     True),
         "its planned site alone (what a replayed step calls)": lambda: site(a, one1, a, one1, out, bias),
         "cublaslt.scaled_mm (bf16 out)": lambda: cublaslt.scaled_mm(a, one, a, one, out),
         "torch._scaled_mm fp32 + add_": lambda: mg.add_(torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.float32)),

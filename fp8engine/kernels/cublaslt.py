@@ -146,7 +146,8 @@ class _Plan:
         if epilogue != _EPILOGUE_DEFAULT:
             attrs += [(_DESC_EPILOGUE, ctypes.c_uint32(epilogue)), (_DESC_BIAS_DATA_TYPE, ctypes.c_int32(hp_type))]
         if epilogue == _EPILOGUE_GELU_AUX_BIAS:
-            attrs += [(_DESC_EPILOGUE_AUX_DATA_TYPE, ctypes.c_int32(hp_type)), (_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))]
+            attrs += [(_DESC_EPILOGUE_AUX_DATA_TYPE, ctypes.c_int32(hp_type)),
+                      (_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))]
         for attr, val in (*attrs, *extra_attrs):
             _check(lib.MatmulDescSetAttribute(self.desc, attr, ctypes.byref(val), ctypes.sizeof(val)),
                    "MatmulDescSetAttribute")
