@@ -44,10 +44,6 @@ if want tests; then
   # every n-th test file from the i-th (shards 1/2 and 2/2 in two calls cover all of tests/). -v names each test as
   # it finishes, so a call stopped at its time limit still says which tests failed (-q printed only F's).
   python3 -c "import xdist" 2>/dev/null && extra+=(-n "${PYTEST_WORKERS:-8}")
-  # One Inductor compile thread per pytest worker: by default each worker's compiles fan out to a process pool as
-  # wide as the machine, so N workers oversubscribe the cores N times over; at 15 workers on 16 cores two compile-heavy
-  # tests of tests/compile/test_kernel_ops.py hit the 300 s per-test timeout (H100, 2026-11-27) and passed re-run alone.
-  export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
   python3 -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 300)
   targets=(tests)
   if [ -n "${TESTS_SHARD:-}" ]; then
