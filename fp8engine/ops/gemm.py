@@ -85,9 +85,9 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
     out = None
     if CUBLASLT_GEMM and a.is_cuda and use_kernels(a):  # eager CUDA: torch._scaled_mm's cuBLASLt call, planned once
         out = cublaslt.gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias if fused_bias else None, use_fast_accum)
-    if out is None:  # 1-element scales
-        # go in as they are: _scaled_mm takes numel() == 1 as tensor-wise scaling (a reshape to 0-d would be one
-        # more dispatched op per GEMM on the host's hot path)
+    if out is None:  # CPU, compiled code, or a configuration the direct call declined
+        # 1-element scales go in as they are: _scaled_mm takes numel() == 1 as tensor-wise scaling (a reshape to
+        # 0-d would be one more dispatched op per GEMM on the host's hot path)
         out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
                                bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     if bias is not None and not fused_bias:
