@@ -348,8 +348,15 @@ class _Site:
 
     def __call__(self, a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
                  out: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        self.by_address(a.data_ptr(), a_scale_inv.data_ptr(), b.data_ptr(), b_scale_inv.data_ptr(), out.data_ptr(),
+                        None if bias is None else bias.data_ptr())
+
+    def by_address(self, a: int, a_scale_inv: int, b: int, b_scale_inv: int, out: int,
+                   bias: Optional[int] = None) -> None:
+        """The call with each tensor given by its device address (what a replayed step passes:
+        :mod:`fp8engine.ops.replay` reads only the addresses of the tensors this site takes)."""
         lib, plan = self.lib, self.plan
-        ptrs = (b_scale_inv.data_ptr(), a_scale_inv.data_ptr(), None if bias is None else bias.data_ptr())
+        ptrs = (b_scale_inv, a_scale_inv, bias)
         workspace = torch.empty(plan.workspace_size, dtype=torch.uint8, device=self.device) \
             if plan.workspace_size else None
         guard = nullcontext() if torch._C._cuda_getDevice() == self.index else torch.cuda.device(self.index)
@@ -363,10 +370,9 @@ class _Site:
                                "MatmulDescSetAttribute")
                 self.ptrs = ptrs
             one, zero, algo = self.args
-            out_ptr = out.data_ptr()
             # column-major view (module docstring): D = out^T, A = b (op T), B = a; C = D (beta = 0: not read)
-            _check(lib.Matmul(self.handle, plan.desc, one, b.data_ptr(), plan.a_layout, a.data_ptr(), plan.b_layout,
-                              zero, out_ptr, plan.c_layout, out_ptr, plan.d_layout, algo,
+            _check(lib.Matmul(self.handle, plan.desc, one, b, plan.a_layout, a, plan.b_layout,
+                              zero, out, plan.c_layout, out, plan.d_layout, algo,
                               None if workspace is None else workspace.data_ptr(), plan.workspace_size,
                               torch._C._cuda_getCurrentRawStream(self.index)),
                    "cublasLtMatmul")

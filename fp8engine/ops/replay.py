@@ -55,6 +55,7 @@ does. Under ``TRITON_INTERPRET=1`` launches are replayed through the interpreter
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -99,10 +100,10 @@ class _Op:
     later op reads its outputs (it writes into an argument, or is a launch)."""
 
     __slots__ = ("kind", "fn", "args", "kwargs", "outs", "pinned", "entry", "grid", "meta", "alias_of", "layout",
-                 "view_of", "rel")
+                 "view_of", "rel", "views")
 
     def __init__(self, kind, fn, args, kwargs, outs, pinned, entry=None, grid=None, meta=None, alias_of=None,
-                 layout=None, view_of=None, rel=0):
+                 layout=None, view_of=None, rel=0, views=False):
         self.kind, self.fn, self.args, self.kwargs, self.outs, self.pinned = kind, fn, args, kwargs, outs, pinned
         self.entry, self.grid, self.meta = entry, grid, meta
         self.alias_of = alias_of  # the slot whose address the (single) output has, for a view of it
@@ -111,6 +112,7 @@ class _Op:
         # for a view of its first argument (same storage, same dtype): that argument's slot, and the output's
         # storage offset minus the argument's (elements)
         self.view_of, self.rel = view_of, rel
+        self.views = views  # some new output shares memory with an argument (a view, a split ...)
 
     def out_slots(self) -> list:
         if self.outs is None:
@@ -267,10 +269,12 @@ class Recorder(TorchFunctionMode):
                     and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()):
                 view_of, rel = targs[0].slot, out.storage_offset() - args[0].storage_offset()
         if isinstance(out, torch.Tensor) and (alias_of is not None or view_of is not None or (
-                func is torch.empty and set(kwargs) <= {"dtype", "device"})):
+                func is torch.empty and set(kwargs) <= {"dtype", "device"}) or (
+                func in (torch.empty_strided, torch.empty_like) and set(kwargs) <= {"dtype", "device"})):
             layout = (tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
+        views = not mutates and any(r._is_view() for r in results)
         self.ops.append(_Op("call", func, targs, tkwargs, self._outputs(out), mutates, alias_of=alias_of,
-                            layout=layout, view_of=view_of, rel=rel))
+                            layout=layout, view_of=view_of, rel=rel, views=views))
 
     def call(self, fn: Callable, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` -- a call that does not go through torch functions, such as a cuBLASLt
@@ -313,14 +317,26 @@ class Program:
         rec: a sound :class:`Recorder` (``rec.error`` None).
         outputs: what the function returns, as ``rec.template(...)`` gave it for a structure (tuple / list,
             nested) of tensors the recorded code made or took, and constants (None).
-        keep: more slots to return (as a second result, a tuple), for a later program (:class:`Pair`).
+        keep: more slots to return (as a second result, a list), for a later program (:class:`Pair`).
+        keep_mode: for slots of ``keep``, how the later program reads them (:class:`Pair`): ``"address"`` (only
+            their addresses: a pooled one may be returned as its address, an int) or ``"alias"`` (it makes views
+            of them that may leave it: not pooled); others: as tensors.
+        int_outer: slots of ``rec``'s ``outer`` arguments that arrive as addresses (ints), and ``extra_outer``
+            more ``outer`` arguments after them (the pooled blocks those addresses point into, held until the
+            program returns).
     ``program(inputs, outer)`` -> ``(outputs, kept)``: ``inputs`` in the recorder's input order, ``outer`` a list
-    of the values of ``rec.outer_refs``' outer slots, in that order, which the program empties (so each of those
-    tensors is released after its last use here, as the ordinary backward drops the forward's tensors as it goes);
-    ``kept`` a list.
+    of the values of ``rec.outer_refs``' outer slots, in that order (then ``extra_outer`` blocks), which the
+    program empties (so each of those tensors is released after its last use here, as the ordinary backward drops
+    the forward's tensors as it goes); ``kept`` a list: ``keep``'s values (``int_kept``: those returned as
+    addresses), then ``kept_blocks`` pooled blocks.
+
+    Pooled allocations (:func:`_plan_pool`, ``POOL``): the program's small intermediate blocks come from one
+    allocation per device, and a block only address readers read is never made as a tensor (its address is the
+    pool's plus its offset); the others are ``torch.as_strided`` views of the pool.
     """
 
-    def __init__(self, rec: Recorder, outputs, keep: Sequence[int] = ()):
+    def __init__(self, rec: Recorder, outputs, keep: Sequence[int] = (), keep_mode: Optional[dict] = None,
+                 int_outer: frozenset = frozenset(), extra_outer: int = 0):
         if rec.error is not None:
             raise RecordAbort(rec.error)
         out_t = outputs
@@ -328,6 +344,9 @@ class Program:
         ops = _live_ops(rec.ops, pinned_out)
         if _fold_allocation_views(ops, pinned_out) | _collapse_view_chains(ops, pinned_out):
             ops = _live_ops(ops, pinned_out)
+        keep_mode = keep_mode or {}
+        pool = _plan_pool(ops, _pinned_slots(out_t, ()), keep, keep_mode) if POOL else _PoolPlan()
+        self._pool, self._int = pool, set(int_outer)
         last: dict = {}
         for i, op in enumerate(ops):
             for s in op.refs():
@@ -337,25 +356,45 @@ class Program:
         names = ", ".join("_" if s is None else f"s{s}" for s in rec.input_slots)
         if rec.input_slots:
             lines.append(f"    {names}{',' if len(rec.input_slots) == 1 else ''} = inputs")
-        if rec.outer_refs:  # (then emptied: each of its tensors is released here after its last use)
-            lines.append(f"    {', '.join(f's{s}' for _, s in rec.outer_refs)}{',' if len(rec.outer_refs) == 1 else ''}"
-                         " = outer")
+        outer_names = [f"s{s}" for _, s in rec.outer_refs] + [f"_o{i}" for i in range(extra_outer)]
+        if outer_names:  # (then emptied: each of its tensors is released here after its last use)
+            lines.append(f"    {', '.join(outer_names)}{',' if len(outer_names) == 1 else ''} = outer")
             lines.append("    outer.clear()")
         if any(op.kind == "launch" and op.entry is not None for op in ops):
             lines.append(f"    stream = {self._const(_common.current_stream)}()")
+        for k, (device, nbytes, dtypes) in enumerate(pool.blocks):
+            lines.append(f"    _a{k} = {self._const(torch.empty)}({nbytes}, dtype={self._const(torch.uint8)}, "
+                         f"device={self._const(device)})")
+            lines.append(f"    _p{k} = _a{k}.data_ptr()")
+            for j, dt in enumerate(dtypes):
+                lines.append(f"    _a{k}_{j} = _a{k}.view({self._const(dt)})")
         for i, op in enumerate(ops):
-            lines.extend(self._lines(op, last, pinned_out))
-            dead = [s for s in op.refs() if last.get(s) == i and s not in pinned_out]
+            if id(op) in pool.dropped:
+                slot = op.outs
+                if slot in pool.tensor:
+                    k, off, layout = pool.slots[slot]
+                    shape, stride, dt = layout[0], layout[1], layout[2]
+                    j = pool.blocks[k][2].index(dt)
+                    lines.append(f"    s{slot} = {self._const(torch.as_strided)}(_a{k}_{j}, {shape!r}, {stride!r}, "
+                                 f"{off // _itemsize(dt)})")
+            else:
+                lines.extend(self._lines(op, last, pinned_out))
+            dead = [s for s in op.refs() if last.get(s) == i and s not in pinned_out
+                    and (s not in pool.slots or s in pool.tensor)]
             if dead:
                 lines.append(f"    {' = '.join(f's{s}' for s in sorted(set(dead)))} = None")
-        kept = ", ".join(f"s{s}" for s in keep)
-        lines.append(f"    return {self._render(out_t)}, [{kept}]")
+        kept = [self._address(s) if s in pool.int_kept else f"s{s}" for s in keep]
+        kept += [f"_a{k}" for k in pool.kept_blocks]
+        lines.append(f"    return {self._render(out_t)}, [{', '.join(kept)}]")
         self.source = "\n".join(lines)
         scope: dict = {}
         exec(compile(self.source, "<fp8engine replay>", "exec"), self._consts, scope)
         self._fn = scope["program"]
-        self.n_ops = len(ops)
+        self.n_ops = len(ops) - len(pool.dropped)
         self.n_outer = len(rec.outer_refs)
+        self.int_kept = frozenset(pool.int_kept)
+        self.kept_blocks = len(pool.kept_blocks)
+        self.pooled = len(pool.slots)
 
     def __call__(self, inputs: Sequence, outer: Sequence = ()):
         return self._fn(inputs, outer)
@@ -366,9 +405,19 @@ class Program:
         self._consts[name] = value
         return name
 
+    def _address(self, slot: int) -> str:
+        """The source of slot's address: an int argument, the pool's address plus the offset, or ``data_ptr()``."""
+        if slot in self._int:
+            return f"s{slot}"
+        hit = self._pool.slots.get(slot)
+        if hit is not None:
+            k, off = hit[0], hit[1]
+            return f"(_p{k} + {off})" if off else f"_p{k}"
+        return f"s{slot}.data_ptr()"
+
     def _render(self, v, ptr: bool = False) -> str:
         if isinstance(v, _Ref):
-            return f"s{v.slot}.data_ptr()" if ptr else f"s{v.slot}"
+            return self._address(v.slot) if ptr else f"s{v.slot}"
         if isinstance(v, _Offset):
             return f"s{v.slot}.storage_offset() + {v.rel}"
         if v is None or type(v) in (bool, int, str) or (type(v) is float and math.isfinite(v)):
@@ -394,6 +443,10 @@ class Program:
                 call = (f"{self._const(_common.launch_now)}({self._const(op.fn)}, {self._render(op.grid)}, "
                         f"({args}{',' if len(op.args) == 1 else ''}), {self._const(dict(op.meta))})")
             return [f"    {call}"]
+        if _address_reader(op):  # (its result is not kept: Recorder.call)
+            args = [self._render(a, ptr=True) for a in op.args]
+            args += [f"{k}={self._render(v, ptr=True)}" for k, v in op.kwargs.items()]
+            return [f"    {self._const(op.fn.by_address)}({', '.join(args)})"]
         args = [self._render(a) for a in op.args]
         args += [f"{k}={self._render(v)}" for k, v in op.kwargs.items()]
         call = f"{self._const(op.fn)}({', '.join(args)})"
@@ -405,6 +458,132 @@ class Program:
             out += [f"    s{s} = _r[{i}]" for i, s in enumerate(op.outs) if used(s)]
             return out
         return [f"    {call}"]
+
+
+#: Pool a program's small intermediate blocks (:func:`_plan_pool`); ``FP8ENGINE_REPLAY_POOL=0`` (read at import)
+#: turns it off for programs built afterwards.
+POOL = os.environ.get("FP8ENGINE_REPLAY_POOL", "1") != "0"
+#: A program whose poolable blocks add up to at most this many bytes has them all pooled; a larger one only its
+#: blocks of at most ``POOL_SMALL_BYTES`` (scale inverses, row statistics, partial sums).
+POOL_ALL_BYTES = 8 << 20
+POOL_SMALL_BYTES = 64 << 10
+#: Offset granularity inside a pool: every pooled block keeps a 256-byte aligned address (the alignment the
+#: Triton kernels specialise on and the cuBLASLt plans are keyed by, as a fresh block from the caching allocator).
+_POOL_ALIGN = 256
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+class _PoolPlan:
+    """Where :func:`_plan_pool` puts a program's pooled blocks.
+
+    ``slots``: slot -> (pool index, byte offset, layout) for each pooled block and each view of one (a view's
+    offset is its first element's); ``tensor``: the pooled slots made as tensors (``torch.as_strided`` of the pool);
+    ``dropped``: ids of the ops the pool replaces (the allocations and those views); ``blocks``: per pool
+    ``(device, bytes, dtypes of its tensor views)``; ``int_kept``: kept slots returned as their address;
+    ``kept_blocks``: pools returned with the kept slots (int addresses into them need them alive)."""
+
+    def __init__(self):
+        self.slots: dict = {}
+        self.tensor: set = set()
+        self.dropped: set = set()
+        self.blocks: list = []
+        self.int_kept: set = set()
+        self.kept_blocks: list = []
+
+
+def _alloc_bytes(op: _Op) -> Optional[int]:
+    """The bytes of a block ``op`` allocates (``torch.empty`` / ``empty_strided`` / ``empty_like`` of a recorded
+    dense layout), or None: not such an allocation."""
+    if (op.kind != "call" or op.fn not in (torch.empty, torch.empty_strided, torch.empty_like) or op.layout is None
+            or not isinstance(op.outs, int) or not _dense(op.layout)):
+        return None
+    return math.prod(op.layout[0]) * _itemsize(op.layout[2])
+
+
+def _roots(ops: list) -> dict:
+    """slot -> the slots whose memory it may share (itself included), through every op that makes views."""
+    roots: dict = {}
+    for op in ops:
+        if op.kind == "call" and (op.views or op.alias_of is not None or op.view_of is not None):
+            src = set()
+            for s in op.refs():
+                src |= roots.get(s, {s})
+            for s in op.out_slots():
+                roots[s] = src | {s}
+    return roots
+
+
+def _plan_pool(ops: list, outputs: set, keep: Sequence[int], keep_mode: dict) -> _PoolPlan:
+    """Pool the program's intermediate allocations: one block per device holds them at 256-byte aligned offsets,
+    allocated when the program starts (module docstring).
+
+    Why: each ``torch.empty`` costs the host ~4-8 us (and its release ~1-2 us), about as much as the launch that
+    fills the block; a small FP8 layer step allocates ~60 blocks (``python tools/replay_lines.py``).
+    Which: allocations of a recorded dense layout that no output of the program shares memory with (an output
+    leaves the step: a gradient must not hold the pool), all of them where they add up to ``POOL_ALL_BYTES``,
+    else those of at most ``POOL_SMALL_BYTES``; a kept one (for the backward) only where the backward makes no
+    view of it (``keep_mode``). Memory: a pooled block lives until the last tensor made from the pool dies (the
+    backward's end for a pool holding kept blocks), so a step holds at most ``POOL_ALL_BYTES`` per pool longer than
+    the ordinary step would, and a large step only its small blocks."""
+    plan = _PoolPlan()
+    roots = _roots(ops)
+    escaping = set()
+    for s in outputs:
+        escaping |= roots.get(s, {s})
+    for s in keep:
+        if keep_mode.get(s) == "alias":
+            escaping |= roots.get(s, {s})
+    cands = [(op, n) for op in ops if (n := _alloc_bytes(op)) is not None and n > 0 and op.outs not in escaping]
+    if not cands:
+        return plan
+    if sum(n for _, n in cands) > POOL_ALL_BYTES:
+        cands = [(op, n) for op, n in cands if n <= POOL_SMALL_BYTES]
+    # offsets, one pool per device
+    pools: dict = {}  # device -> [index, bytes]
+    for op, n in cands:
+        device = op.layout[3]
+        entry = pools.setdefault(device, [len(pools), 0])
+        off = -(-entry[1] // _POOL_ALIGN) * _POOL_ALIGN
+        if off + n > POOL_ALL_BYTES:
+            continue  # (a pool holds at most POOL_ALL_BYTES)
+        plan.slots[op.outs] = (entry[0], off, op.layout)
+        plan.dropped.add(id(op))
+        entry[1] = off + n
+    # views of a pooled block are pooled slots too (no op): same pool, their own offset and layout
+    for op in ops:
+        base = plan.slots.get(op.view_of) if op.kind == "call" else None
+        if (base is not None and isinstance(op.outs, int) and op.layout is not None and op.rel >= 0
+                and op.outs not in escaping):
+            plan.slots[op.outs] = (base[0], base[1] + op.rel * _itemsize(op.layout[2]), op.layout)
+            plan.dropped.add(id(op))
+    # a pooled slot read as a tensor (by any op but an address reader or a dropped view) is made as one
+    for op in ops:
+        if id(op) in plan.dropped or _address_reader(op):
+            continue
+        plan.tensor.update(s for s in op.refs() if s in plan.slots)
+    for s in outputs:  # (only constants and non-pooled slots: escaping)
+        if s in plan.slots:
+            plan.tensor.add(s)
+    for s in keep:
+        if s in plan.slots:
+            if keep_mode.get(s) == "address" and s not in plan.tensor:
+                plan.int_kept.add(s)
+            else:
+                plan.tensor.add(s)
+    dtypes: dict = {}
+    for s in plan.tensor:
+        k, _, layout = plan.slots[s]
+        dtypes.setdefault(k, [])
+        if layout[2] not in dtypes[k]:
+            dtypes[k].append(layout[2])
+    plan.blocks = [None] * len(pools)
+    for device, (k, nbytes) in pools.items():
+        plan.blocks[k] = (device, max(-(-nbytes // _POOL_ALIGN) * _POOL_ALIGN, _POOL_ALIGN), dtypes.get(k, []))
+    plan.kept_blocks = sorted({plan.slots[s][0] for s in plan.int_kept})
+    return plan
 
 
 def _pinned_slots(outputs, keep: Sequence[int]) -> set:
@@ -480,10 +659,17 @@ def _rename(ops: list, old: int, new: int) -> None:
         op.args, op.kwargs = sub(op.args), sub(op.kwargs)
 
 
+def _address_reader(op: _Op) -> bool:
+    """Whether ``op`` reads its tensors only for their addresses: a launch through the compiled launcher, or a
+    call of an object with a ``by_address`` method (a planned cuBLASLt GEMM, :class:`fp8engine.kernels.cublaslt._Site`)
+    that the program calls with the addresses instead."""
+    return (op.entry is not None if op.kind == "launch"
+            else op.kind == "call" and getattr(op.fn, "by_address", None) is not None)
+
+
 def _only_addresses(ops: list) -> bool:
-    """Whether every op here reads its tensors only for their addresses (launches through the compiled
-    launcher)."""
-    return all(op.kind == "launch" and op.entry is not None for op in ops)
+    """Whether every op here reads its tensors only for their addresses (:func:`_address_reader`)."""
+    return all(_address_reader(op) for op in ops)
 
 
 def _fold_allocation_views(ops: list, pinned: set) -> bool:
@@ -562,7 +748,7 @@ def _skip_pointer_views(ops: list, pinned: set) -> None:
     ``reshape``) -- is not made: those launches take the source's address (the view op is then dead)."""
     readers: dict = {}  # slot -> [reads it only for its address, ...]
     for op in ops:
-        address = op.kind == "launch" and op.entry is not None
+        address = _address_reader(op)
         for s in op.refs():
             readers.setdefault(s, []).append(address)
     source: dict = {}
@@ -572,7 +758,7 @@ def _skip_pointer_views(ops: list, pinned: set) -> None:
             source[op.outs] = source.get(op.alias_of, op.alias_of)
     if source:
         for op in ops:
-            if op.kind == "launch" and op.entry is not None:
+            if _address_reader(op):
                 op.args = tuple(_Ref(source.get(a.slot, a.slot)) if isinstance(a, _Ref) else a for a in op.args)
 
 
@@ -587,9 +773,24 @@ class Pair:
         if fwd.error is not None or bwd.error is not None:
             raise RecordAbort(fwd.error or bwd.error)
         keep = [outer for outer, _ in bwd.outer_refs]  # the forward slots the backward reads
-        _fold_saved_views(fwd, _pinned_slots(fwd_outputs, ()), keep, bwd, _pinned_slots(bwd_outputs, ()))
-        self.bwd = Program(bwd, bwd_outputs)
-        self.fwd = Program(fwd, fwd_outputs, keep=keep)
+        bwd_pinned = _pinned_slots(bwd_outputs, ())
+        _fold_saved_views(fwd, _pinned_slots(fwd_outputs, ()), keep, bwd, bwd_pinned)
+        # how the backward reads each kept slot: only its address (a pooled one may then pass as an int), or
+        # through views that may become its outputs (the forward must not pool it), or as a tensor
+        bwd_ops = _live_ops(bwd.ops, bwd_pinned)
+        readers, roots = _readers(bwd_ops), _roots(bwd_ops)
+        escaping = set()
+        for s in bwd_pinned:
+            escaping |= roots.get(s, {s})
+        mode = {}
+        for outer, slot in bwd.outer_refs:
+            if slot in escaping:
+                mode[outer] = "alias"
+            elif readers.get(slot) and _only_addresses(readers[slot]):
+                mode[outer] = "address"
+        self.fwd = Program(fwd, fwd_outputs, keep=keep, keep_mode=mode)
+        int_outer = frozenset(slot for outer, slot in bwd.outer_refs if outer in self.fwd.int_kept)
+        self.bwd = Program(bwd, bwd_outputs, int_outer=int_outer, extra_outer=self.fwd.kept_blocks)
 
     def forward(self, inputs: Sequence):
         return self.fwd(inputs)

@@ -147,7 +147,8 @@ def _copying_launcher(monkeypatch):
 def test_a_block_only_launches_write_is_allocated_in_the_layout_of_its_one_view(monkeypatch):
     """``torch.empty`` + launches writing it + one ``.t()`` of it (how a GEMM takes an FP8 operand) replay as one
     ``torch.empty_strided`` in the transposed layout: the same bytes at the same address, one op fewer. A slice of
-    a block, or a block a torch op reads too, is left as recorded."""
+    a block, or a block a torch op reads too, is left as recorded. (Pooling off: it would take these blocks.)"""
+    monkeypatch.setattr(replay, "POOL", False)
     copy_into = _copying_launcher(monkeypatch)
 
     def fn(a, src):
@@ -171,7 +172,9 @@ def test_a_block_only_launches_write_is_allocated_in_the_layout_of_its_one_view(
 
 def test_a_saved_block_is_allocated_by_the_forward_in_the_layout_the_backward_reads(monkeypatch):
     """A block the forward's launches write and keeps for the backward, whose one use there is ``.t()``: the forward
-    allocates it transposed (``empty_strided``) and the backward reads it without the view op."""
+    allocates it transposed (``empty_strided``) and the backward reads it without the view op. (Pooling off: it
+    would take this block.)"""
+    monkeypatch.setattr(replay, "POOL", False)
     copy_into = _copying_launcher(monkeypatch)
 
     def forward(a, src):
@@ -192,6 +195,127 @@ def test_a_saved_block_is_allocated_by_the_forward_in_the_layout_the_backward_re
     assert kept[0].shape == (8, 4) and kept[0].stride() == (1, 8)  # saved.t()'s layout, allocated as such
     (g2,) = pair.backward((dy2,), kept)
     assert torch.equal(y2, a2 * 2) and torch.equal(g2, dy2 + src2.view(4, 8).t())
+
+
+def _pool_bytes(prog) -> list:
+    """The sizes of the pools a program allocates (its ``torch.empty`` of uint8 blocks)."""
+    return [b[1] for b in prog._pool.blocks]
+
+
+def test_small_blocks_come_from_one_pool_and_address_only_blocks_are_never_made(monkeypatch):
+    """Three blocks: one only launches read and write (never made as a tensor: its address is the pool's plus
+    its offset), one a torch op reads (an ``as_strided`` view of the pool), one the program returns (its own
+    allocation: an output must not hold the pool). Same results as the ordinary code."""
+    copy_into = _copying_launcher(monkeypatch)
+
+    def fn(a, src):
+        scratch = torch.empty(32)
+        copy_into(scratch, src)  # (address only)
+        read = torch.empty(4, 8)
+        copy_into(read, scratch)
+        out = torch.empty(32)
+        copy_into(out, read)
+        return a + read.t(), out
+    a, src = torch.randn(8, 4), torch.arange(32.0)
+    rec, out = _record(fn, a, src)
+    prog = replay.Program(rec, rec.template(out))
+    # scratch and read (allocated transposed: its one view is .t(), _fold_allocation_views)
+    assert prog.pooled == 2 and len(_pool_bytes(prog)) == 1, prog.source
+    fns = [c for c in prog._consts.values() if callable(c)]
+    assert fns.count(torch.empty) == 2 and fns.count(torch.as_strided) == 1, prog.source  # pool + out; read
+    assert "_p0 + 256" in prog.source  # read's address: the pool's + 128 bytes rounded up to 256
+    a2, src2 = torch.randn(8, 4), torch.randn(32)
+    (y, out2), _ = prog((a2, src2))
+    assert torch.equal(y, a2 + src2.view(4, 8).t()) and torch.equal(out2, src2)
+    assert out2.untyped_storage().nbytes() == 32 * 4  # its own block
+
+
+@pytest.mark.parametrize("leave", ["slice", "split"])
+def test_a_block_whose_view_leaves_the_program_is_not_pooled(monkeypatch, leave):
+    """A view of a block returned by the program (a slice, a ``split``) would keep the whole pool alive with it:
+    the block keeps its own allocation."""
+    copy_into = _copying_launcher(monkeypatch)
+
+    def fn(src):
+        buf = torch.empty(32)
+        copy_into(buf, src)
+        return buf[:16] if leave == "slice" else buf.split(16)
+    src = torch.arange(32.0)
+    rec, out = _record(fn, src)
+    prog = replay.Program(rec, rec.template(out))
+    assert prog.pooled == 0 and _pool_bytes(prog) == [], prog.source
+    src2 = torch.randn(32)
+    got, _ = prog((src2,))
+    assert torch.equal(got if leave == "slice" else torch.cat(got), src2[:16] if leave == "slice" else src2)
+
+
+def test_a_pooled_block_the_backward_reads_by_address_passes_as_an_int(monkeypatch):
+    """A forward block kept for a backward that reads only its address passes as an int, with the pool it points
+    into (held until the backward returns); a kept block the backward reads as a tensor passes as an
+    ``as_strided`` view of the pool."""
+    copy_into = _copying_launcher(monkeypatch)
+
+    def forward(a, src):
+        by_address = torch.empty(32)
+        copy_into(by_address, src)
+        as_tensor = torch.empty(8, 4)
+        copy_into(as_tensor, src)
+        return a * 2, by_address, as_tensor
+    a, src = torch.randn(8, 4), torch.arange(32.0)
+    fwd, (y, by_address, as_tensor) = _record(forward, a, src)
+    dy = torch.randn(8, 4)
+    bwd = replay.Recorder([dy], outer=fwd)
+    with bwd:
+        tmp = torch.empty(4, 8)
+        copy_into(tmp, by_address)
+        g = dy + tmp.t() + as_tensor
+    pair = replay.Pair(fwd, fwd.template((y,)), bwd, bwd.template((g,)))
+    assert len(pair.fwd.int_kept) == 1 and pair.fwd.kept_blocks == 1, pair.fwd.source
+    a2, src2, dy2 = torch.randn(8, 4), torch.randn(32), torch.randn(8, 4)
+    (y2,), kept = pair.forward((a2, src2))
+    types = sorted(type(k).__name__ for k in kept)
+    assert types == ["Tensor", "Tensor", "int"], kept  # the view, the pool, the address
+    pool = next(k for k in kept if isinstance(k, torch.Tensor) and k.dtype == torch.uint8)
+    assert next(k for k in kept if type(k) is int) == pool.data_ptr()
+    (g2,) = pair.backward((dy2,), kept)
+    assert kept == []
+    ref = src2.view(4, 8)
+    assert torch.equal(y2, a2 * 2) and torch.equal(g2, dy2 + ref.t() + src2.view(8, 4))
+
+
+def test_a_large_program_pools_only_its_small_blocks(monkeypatch):
+    """Where the poolable blocks add up to more than ``POOL_ALL_BYTES``, only those of at most
+    ``POOL_SMALL_BYTES`` are pooled (a large block's lifetime matters for the peak memory)."""
+    monkeypatch.setattr(replay, "POOL_ALL_BYTES", 1024)
+    monkeypatch.setattr(replay, "POOL_SMALL_BYTES", 64)
+    copy_into = _copying_launcher(monkeypatch)
+
+    def fn(src, small_src):
+        big = torch.empty(512)  # 2 KiB
+        copy_into(big, src)
+        small = torch.empty(8)  # 32 bytes
+        copy_into(small, small_src)
+        return big.sum() + small.sum()
+    src, small_src = torch.randn(512), torch.randn(8)
+    rec, out = _record(fn, src, small_src)
+    prog = replay.Program(rec, rec.template(out))
+    assert prog.pooled == 1 and _pool_bytes(prog) == [256], prog.source
+    src2, small2 = torch.randn(512), torch.randn(8)
+    got, _ = prog((src2, small2))
+    assert torch.equal(got, src2.sum() + small2.sum())
+
+
+def test_pooling_off_allocates_each_block(monkeypatch):
+    monkeypatch.setattr(replay, "POOL", False)
+    copy_into = _copying_launcher(monkeypatch)
+
+    def fn(src):
+        buf = torch.empty(32)
+        copy_into(buf, src)
+        return buf.sum()
+    rec, out = _record(fn, torch.randn(32))
+    prog = replay.Program(rec, rec.template(out))
+    assert prog.pooled == 0 and "_a0" not in prog.source
 
 
 # ---------------------------------------------------------------------------------------------------------------
