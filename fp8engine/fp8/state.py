@@ -112,14 +112,25 @@ def _update_torch(states: Sequence[ScalingState], recipe: DelayedScaling) -> Non
         st.update_step.add_(1)
 
 
+#: Planned kernel updates (:class:`fp8engine.kernels.scaling.DelayedScalingUpdate`) by the states' buffers and the
+#: recipe's numbers; a training loop uses one (a few with several models or recipes). Bounded.
+_UPDATES: dict = {}
+_UPDATES_MAX = 16
+
+
 @torch.no_grad()
 def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, amax_group=None) -> None:
     """One delayed-scaling update for every state: optional MAX all-reduce of the current amaxes (one collective
     for all tensors), then new scales and rolled histories (TransformerEngine's rule, see
-    :func:`fp8engine.fp8.scaling.update_fp8_scale`). A NaN/inf/zero amax keeps the previous scale."""
+    :func:`fp8engine.fp8.scaling.update_fp8_scale`). A NaN/inf/zero amax keeps the previous scale.
+
+    On the kernel path (every update recomputes the scales: ``interval == 1``, one history length, a named
+    ``amax_compute_algo``) it is one launch for all states, update counters included, planned once per set of
+    buffers (the plan holds them: a buffer replaced -- ``.to()``, a history resize, a load -- plans again)."""
     states = list(states)
     if not states:
         return
+    from fp8engine.fp8.float8_tensor import use_kernels
     from fp8engine.fp8.library import fold_grad_amax
 
     for st in states:
@@ -131,19 +142,25 @@ def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, am
         from fp8engine.fp8.amax import all_reduce_current_amax
 
         all_reduce_current_amax([st.amax_history for st in states], amax_group)
-    first = states[0].amax_history
-    same_len = all(st.amax_history.shape[1] == first.shape[1] for st in states)
+    bufs = [(st.amax_history, st.scale, st.update_step) for st in states]
+    first = bufs[0][0]
     # The fused kernel takes one update flag for all states, so it serves interval == 1 (every update
     # recomputes scales); other intervals use the per-state torch path.
-    if same_len and recipe.interval == 1 and not callable(recipe.amax_compute_algo):
-        from fp8engine.fp8.float8_tensor import use_kernels
+    if recipe.interval == 1 and not callable(recipe.amax_compute_algo) and use_kernels(first):
+        # (the plan holds the tensors it was made for, so their ids are not reused while it is cached)
+        key = (recipe.fp8_format, recipe.margin, recipe.amax_compute_algo,
+               tuple((id(h), id(sc), id(c), h.data_ptr()) for h, sc, c in bufs))
+        update = _UPDATES.get(key)
+        if update is None and all(h.shape[1] == first.shape[1] for h, _, _ in bufs):
+            from fp8engine.kernels.scaling import DelayedScalingUpdate
 
-        if use_kernels(first):
-            from fp8engine.kernels.scaling import delayed_scaling_update
-
-            delayed_scaling_update([st.amax_history for st in states], [st.scale for st in states],
-                                   [st.fp8_max(recipe) for st in states], margin=recipe.margin,
-                                   algo=recipe.amax_compute_algo, update_scale=True)
-            torch._foreach_add_([st.update_step for st in states], 1)  # one launch for all counters
+            update = DelayedScalingUpdate([h for h, _, _ in bufs], [sc for _, sc, _ in bufs],
+                                          [st.fp8_max(recipe) for st in states], margin=recipe.margin,
+                                          algo=recipe.amax_compute_algo, update_steps=[c for _, _, c in bufs])
+            if len(_UPDATES) >= _UPDATES_MAX:
+                _UPDATES.clear()
+            _UPDATES[key] = update
+        if update is not None:
+            update()
             return
     _update_torch(states, recipe)

@@ -113,3 +113,49 @@ def test_kernel_update_equals_torch_update_and_counts_steps(device):
         for a, b in zip(kern, ref):
             assert torch.equal(a.scale, b.scale) and torch.equal(a.amax_history, b.amax_history)
             assert a.update_step.item() == b.update_step.item() == step + 1
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_kernel_update_follows_replaced_buffers(device, monkeypatch):
+    """The kernel update is planned once per set of buffers (``fp8engine.fp8.state._UPDATES``): a history re-sized
+    (a new tensor) is planned again and updated, not the old one; a ``load_state_dict`` (copied in place) keeps the
+    plan. Same scales, histories and counters as the torch path throughout."""
+    from fp8engine.fp8 import state as state_mod
+    from fp8engine.fp8.float8_tensor import kernels_forced
+    from fp8engine.kernels._common import interpreting
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if device == "cpu" and not interpreting():
+        pytest.skip("the kernel path on CPU needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    monkeypatch.setattr(state_mod, "_UPDATES", {})
+    recipe = fe.DelayedScaling(amax_history_len=3, margin=0)
+    torch_recipe = fe.DelayedScaling(amax_history_len=3, margin=0, amax_compute_algo=lambda h: h.amax(-1))
+    roles = ("input", "weight", "grad_output")
+    kern = [ScalingState(roles, amax_history_len=3, device=device) for _ in range(2)]
+    ref = [ScalingState(roles, amax_history_len=3, device=device) for _ in range(2)]
+    gen = torch.Generator().manual_seed(1)
+
+    def step():
+        for a, b in zip(kern, ref):
+            amax = (torch.rand(3, generator=gen) * 10).to(device)
+            a.amax_history[:, 0] = amax
+            b.amax_history[:, 0] = amax
+        with kernels_forced(device == "cpu"):
+            state_mod.reduce_and_update(kern, recipe)
+        state_mod.reduce_and_update(ref, torch_recipe)
+        for a, b in zip(kern, ref):
+            assert torch.equal(a.scale, b.scale) and torch.equal(a.amax_history, b.amax_history)
+            assert a.update_step.item() == b.update_step.item()
+
+    step()
+    step()
+    plans = len(state_mod._UPDATES)
+    kern[1].load_state_dict(ref[1].state_dict())  # same values, copied into the same buffers
+    step()
+    assert len(state_mod._UPDATES) == plans
+    for st in kern + ref:
+        st.resize_history(5)
+    step()
+    step()
+    assert all(st.amax_history.shape == (3, 5) for st in kern) and len(state_mod._UPDATES) == plans + 1

@@ -80,3 +80,28 @@ def test_history_length_one_and_errors(device):
                                [torch.ones(1, device=device)], margin=0)  # fmt: skip
     with pytest.raises(ValueError, match="algo"):
         delayed_scaling_update([h], [s], [s], margin=0, algo="mean")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_counters_and_the_planned_update_match_the_reference(device):
+    """``update_steps`` are incremented by the launch itself; a :class:`DelayedScalingUpdate` called three times
+    gives the reference's three updates bit for bit (it re-reads the tensors on each call)."""
+    from fp8engine.kernels.scaling import DelayedScalingUpdate
+
+    state, ref = _state(device), _state(device)
+    steps = [torch.tensor(5, device=device), torch.tensor(0, device=device), torch.tensor(9, device=device)]
+    ref_steps = [c.clone() for c in steps]
+    update = DelayedScalingUpdate(*state, margin=1, update_steps=steps)
+    for _ in range(3):
+        update()
+        delayed_scaling_update_reference(*ref, margin=1, update_steps=ref_steps)
+        _assert_same(state, ref)
+    assert [int(c) for c in steps] == [8, 3, 12] == [int(c) for c in ref_steps]
+    delayed_scaling_update(*state, margin=1, update_steps=steps, update_scale=False)
+    delayed_scaling_update_reference(*ref, margin=1, update_steps=ref_steps, update_scale=False)
+    _assert_same(state, ref)
+    assert [int(c) for c in steps] == [9, 4, 13]
+    with pytest.raises(TypeError, match="int64"):
+        DelayedScalingUpdate(*state, margin=0, update_steps=[c.float() for c in steps])
+    with pytest.raises(ValueError, match="one update_steps counter"):
+        DelayedScalingUpdate(*state, margin=0, update_steps=steps[:2])
