@@ -746,6 +746,7 @@ def _skip_pointer_views(ops: list, pinned: set) -> None:
     """A view whose only readers are launches through the compiled launcher -- which take its address, equal to
     its source's, with the layout in their other arguments (``x.view(torch.uint8)`` of an FP8 buffer, a 2-D
     ``reshape``) -- is not made: those launches take the source's address (the view op is then dead)."""
+    ops = [op for op in ops if op.kind != "folded"]  # (a folded view is no op: its slot is its allocation's)
     readers: dict = {}  # slot -> [reads it only for its address, ...]
     for op in ops:
         address = _address_reader(op)

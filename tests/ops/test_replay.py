@@ -305,6 +305,55 @@ def test_a_large_program_pools_only_its_small_blocks(monkeypatch):
     assert torch.equal(got, src2.sum() + small2.sum())
 
 
+class _CopySite:
+    """A fake planned GEMM: copies ``nbytes`` from ``src`` to ``dst``; replayed through ``by_address`` (as a
+    cuBLASLt site is), recorded through ``Recorder.call``."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def __call__(self, src, dst):
+        self.by_address(src.data_ptr(), dst.data_ptr())
+
+    def by_address(self, src: int, dst: int):
+        import ctypes
+
+        ctypes.memmove(dst, src, self.nbytes)
+
+
+def _site_call(site, *args):
+    from fp8engine.kernels import _common
+
+    rec = _common.RECORDER.get()
+    return rec.call(site, *args) if rec is not None else site(*args)
+
+
+@pytest.mark.parametrize("pool", [True, False], ids=["pool", "nopool"])
+def test_a_block_read_through_a_reshape_by_a_site_and_a_launch(monkeypatch, pool):
+    """The norm-then-GEMM pattern of the layer step: a ``[s, b, h]`` block written by a launch, its 2-D reshape
+    read by a planned GEMM (by address) and, through a ``view(torch.uint8)``, by another launch. The reshape is
+    folded into the allocation; the folded view must not be taken for a view again (its readers would be pointed
+    at a slot nothing makes)."""
+    monkeypatch.setattr(replay, "POOL", pool)
+    copy_into = _copying_launcher(monkeypatch)
+    site = _CopySite(64 * 4)
+
+    def fn(src):
+        out = torch.empty(16, 1, 4)
+        copy_into(out, src)
+        ln = out.reshape(-1, 4)
+        res = torch.empty(16, 4)
+        _site_call(site, ln, res)
+        t = torch.empty(64)
+        copy_into(t, ln.view(torch.uint8))  # (as the layer's transpose launch takes its FP8 operand)
+        return res * 1, t * 1
+    rec, out = _record(fn, torch.arange(64.0))
+    prog = replay.Program(rec, rec.template(out))
+    src2 = torch.randn(64)
+    (res, t), _ = prog((src2,))
+    assert torch.equal(res.flatten(), src2) and torch.equal(t, src2)
+
+
 def test_pooling_off_allocates_each_block(monkeypatch):
     monkeypatch.setattr(replay, "POOL", False)
     copy_into = _copying_launcher(monkeypatch)
