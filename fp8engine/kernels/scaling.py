@@ -125,7 +125,7 @@ _POINTER_TABLES_MAX = 64
 def _pointer_tables(amax_histories, scales, fp8_maxes, rows, device, update_steps=None):
     key = (device, tuple(t.data_ptr() for t in amax_histories), tuple(t.data_ptr() for t in scales),
            tuple(t.data_ptr() for t in fp8_maxes),
-           None if update_steps is None else tuple(t.data_ptr() for t in update_steps))
+           None if update_steps is None else tuple(t.data_ptr() for t in update_steps), tuple(rows))
     tables = _POINTER_TABLES.get(key)
     if tables is None:
         if len(_POINTER_TABLES) >= _POINTER_TABLES_MAX:
@@ -191,6 +191,10 @@ class DelayedScalingUpdate:
             return
         hist_ptrs, scale_ptrs, max_ptrs, ends, step_ptrs = self.tables
         flag_tensor = isinstance(update_scale, torch.Tensor)
+        if flag_tensor and (update_scale.dtype != torch.bool or update_scale.numel() != 1
+                            or update_scale.device != hist_ptrs.device):
+            raise TypeError(f"DelayedScalingUpdate: update_scale tensor must be a 1-element bool tensor on "
+                            f"{hist_ptrs.device}")
         launch(_delayed_scaling_kernel, (self.n_rows,),
             hist_ptrs, scale_ptrs, max_ptrs, ends,
             update_scale.reshape(1) if flag_tensor else ends, step_ptrs, self.n_t, self.L, self.pow2_margin,

@@ -105,3 +105,17 @@ def test_update_counters_and_the_planned_update_match_the_reference(device):
         DelayedScalingUpdate(*state, margin=0, update_steps=[c.float() for c in steps])
     with pytest.raises(ValueError, match="one update_steps counter"):
         DelayedScalingUpdate(*state, margin=0, update_steps=steps[:2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_planned_update_takes_a_flag_tensor_and_refuses_a_wrong_one(device):
+    from fp8engine.kernels.scaling import DelayedScalingUpdate
+
+    state, ref = _state(device), _state(device)
+    update = DelayedScalingUpdate(*state, margin=0)
+    off = torch.tensor(False, device=device)
+    update(off)
+    delayed_scaling_update_reference(*ref, margin=0, update_scale=off)
+    _assert_same(state, ref)
+    with pytest.raises(TypeError, match="1-element bool"):
+        update(torch.tensor([1, 0], device=device))
