@@ -231,11 +231,9 @@ def available() -> bool:
 
 
 def _alignment(ptr: int) -> int:
-    """Largest power of two up to 256 dividing ``ptr`` (what the heuristic must assume about an operand)."""
-    align = 256
-    while ptr % align:
-        align //= 2
-    return align
+    """Largest power of two up to 256 dividing ``ptr`` (what the heuristic must assume about an operand): its lowest
+    set bit, capped (a null pointer: 256)."""
+    return min(ptr & -ptr, 256) if ptr else 256
 
 
 def scaled_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
@@ -383,11 +381,6 @@ class _Site:
 _MAX_SITES = 4096
 
 
-def _pointer_alignment(ptr: int) -> int:
-    """:func:`_alignment` without the loop: the lowest set bit of ``ptr``, at most 256."""
-    return min(ptr & -ptr, 256) if ptr else 256
-
-
 def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
          out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
          use_fast_accum: bool = False) -> Optional[torch.Tensor]:
@@ -422,7 +415,7 @@ def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_in
     (m, k), n = a.shape, b.shape[0]
     device = a.device
     key = (device.index, m, n, k, a.dtype, b.dtype, out_dtype, use_fast_accum, None if bias is None else bias.dtype,
-           _pointer_alignment(a.data_ptr()), _pointer_alignment(b.data_ptr()))
+           _alignment(a.data_ptr()), _alignment(b.data_ptr()))
     site = ctx.sites.get(key)
     if site is None:
         if len(ctx.sites) >= _MAX_SITES:  # shapes that keep changing (generation): torch._scaled_mm plans per call

@@ -150,12 +150,8 @@ def delayed_scaling_update(amax_histories, scales, fp8_maxes, *, margin, algo="m
             incremented by one in the same launch.
     Returns None. Raises ValueError / TypeError describing unsupported inputs (see the module docstring).
     """
-    op = "delayed_scaling_update"
-    L = _check(amax_histories, scales, fp8_maxes, algo, update_scale, op, update_steps)
-    check_launchable(amax_histories[0], op)
-    prepared = DelayedScalingUpdate.__new__(DelayedScalingUpdate)
-    prepared._prepare(amax_histories, scales, fp8_maxes, L, margin, algo, update_steps)
-    prepared(update_scale)
+    DelayedScalingUpdate(amax_histories, scales, fp8_maxes, margin=margin, algo=algo, update_steps=update_steps)(
+        update_scale)
 
 
 class DelayedScalingUpdate:
@@ -163,15 +159,13 @@ class DelayedScalingUpdate:
     launch alone (what the delayed-scaling update at every ``fp8engine.autocast`` exit calls, cached by
     ``fp8engine.fp8.state.reduce_and_update`` per set of scaling-state buffers). Same arguments as the function
     (``update_steps`` included), held by reference: the update reads and writes those tensors on each call.
-    ``__call__(update_scale=True)``. Raises as the function does, at construction."""
+    ``__call__(update_scale=True)``. Raises as the function does: about the tensors at construction, about an
+    ``update_scale`` tensor at the call."""
 
     def __init__(self, amax_histories, scales, fp8_maxes, *, margin, algo="max", update_steps=None):
         op = "DelayedScalingUpdate"
         L = _check(amax_histories, scales, fp8_maxes, algo, True, op, update_steps)
         check_launchable(amax_histories[0], op)
-        self._prepare(amax_histories, scales, fp8_maxes, L, margin, algo, update_steps)
-
-    def _prepare(self, amax_histories, scales, fp8_maxes, L, margin, algo, update_steps):
         self.tensors = (list(amax_histories), list(scales), list(fp8_maxes), update_steps)  # (kept alive)
         rows = [h.shape[0] for h in amax_histories]
         self.n_rows, self.L = sum(rows), L
@@ -185,16 +179,17 @@ class DelayedScalingUpdate:
         self.n_t, self.pow2_margin = n_t, float(2.0**margin)
 
     def __call__(self, update_scale=True) -> None:
+        flag_tensor = isinstance(update_scale, torch.Tensor)
+        if flag_tensor:
+            device = self.tensors[0][0].device
+            if update_scale.dtype != torch.bool or update_scale.numel() != 1 or update_scale.device != device:
+                raise TypeError(f"delayed_scaling_update: update_scale tensor must be a 1-element bool tensor on "
+                                f"{device}")
         if self.n_rows == 0 or self.L == 0:
             if self.tensors[3] is not None:
                 torch._foreach_add_(list(self.tensors[3]), 1)
             return
         hist_ptrs, scale_ptrs, max_ptrs, ends, step_ptrs = self.tables
-        flag_tensor = isinstance(update_scale, torch.Tensor)
-        if flag_tensor and (update_scale.dtype != torch.bool or update_scale.numel() != 1
-                            or update_scale.device != hist_ptrs.device):
-            raise TypeError(f"DelayedScalingUpdate: update_scale tensor must be a 1-element bool tensor on "
-                            f"{hist_ptrs.device}")
         launch(_delayed_scaling_kernel, (self.n_rows,),
             hist_ptrs, scale_ptrs, max_ptrs, ends,
             update_scale.reshape(1) if flag_tensor else ends, step_ptrs, self.n_t, self.L, self.pow2_margin,

@@ -385,7 +385,7 @@ class Program:
                     shape, stride, dt = layout[0], layout[1], layout[2]
                     j = pool.blocks[k][2].index(dt)
                     lines.append(f"    s{slot} = {self._const(torch.as_strided)}(_a{k}_{j}, {shape!r}, {stride!r}, "
-                                 f"{off // _itemsize(dt)})")
+                                 f"{off // dt.itemsize})")
             else:
                 lines.extend(self._lines(op, last, pinned_out))
             dead = [s for s in op.refs() if last.get(s) == i and s not in pinned_out
@@ -481,10 +481,6 @@ POOL_SMALL_BYTES = 64 << 10
 _POOL_ALIGN = 256
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 class _PoolPlan:
     """Where :func:`_plan_pool` puts a program's pooled blocks.
 
@@ -509,7 +505,7 @@ def _alloc_bytes(op: _Op) -> Optional[int]:
     if (op.kind != "call" or op.fn not in (torch.empty, torch.empty_strided, torch.empty_like) or op.layout is None
             or not isinstance(op.outs, int) or not _dense(op.layout)):
         return None
-    return math.prod(op.layout[0]) * _itemsize(op.layout[2])
+    return math.prod(op.layout[0]) * op.layout[2].itemsize
 
 
 def _roots(ops: list) -> dict:
@@ -566,16 +562,13 @@ def _plan_pool(ops: list, outputs: set, keep: Sequence[int], keep_mode: dict) ->
         base = plan.slots.get(op.view_of) if op.kind == "call" else None
         if (base is not None and isinstance(op.outs, int) and op.layout is not None and op.rel >= 0
                 and op.outs not in escaping):
-            plan.slots[op.outs] = (base[0], base[1] + op.rel * _itemsize(op.layout[2]), op.layout)
+            plan.slots[op.outs] = (base[0], base[1] + op.rel * op.layout[2].itemsize, op.layout)
             plan.dropped.add(id(op))
     # a pooled slot read as a tensor (by any op but an address reader or a dropped view) is made as one
     for op in ops:
         if id(op) in plan.dropped or _address_reader(op):
             continue
         plan.tensor.update(s for s in op.refs() if s in plan.slots)
-    for s in outputs:  # (only constants and non-pooled slots: escaping)
-        if s in plan.slots:
-            plan.tensor.add(s)
     for s in keep:
         if s in plan.slots:
             if keep_mode.get(s) == "address" and s not in plan.tensor:
