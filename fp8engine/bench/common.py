@@ -98,7 +98,8 @@ def print_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> s
     """Print ``rows`` (dicts) as a Markdown table and return the text."""
     if not rows:
         return ""
-    columns = list(columns or rows[0].keys())
+    # every key of every row, in first-seen order (an error row has other keys than a timed one)
+    columns = list(columns or dict.fromkeys(k for row in rows for k in row))
 
     def fmt(v):
         if isinstance(v, float):

@@ -144,17 +144,28 @@ def run_single(args) -> list[dict]:
 
     flops = layer_flops(s, b, h, f)
     times = {name: ([], [], [], []) for name, _, _ in cases}  # single, back-to-back, peak GiB, graphs per round
+    errors: dict[str, str] = {}  # a row that fails says so in its row; the others are still timed
     for _ in range(args.rounds):  # rows interleaved: a drift of the GPU's speed over the run hits all rows alike
         for name, model, recipe in cases:
+            if name in errors:
+                continue
             peak_memory_gib(reset=True)
             graphs = counters["stats"]["unique_graphs"]
-            step = _cached_weights_step(model, x, dy, recipe) if name == _CACHED else fwd_bwd_step(model, x, dy, recipe)
-            times[name][0].append(time_fn(step, warmup=3, iters=args.iters, device=dev))
-            times[name][1].append(time_back_to_back(step, steps=5, repeats=args.iters, device=dev))
+            try:
+                step = (_cached_weights_step(model, x, dy, recipe) if name == _CACHED
+                        else fwd_bwd_step(model, x, dy, recipe))
+                times[name][0].append(time_fn(step, warmup=3, iters=args.iters, device=dev))
+                times[name][1].append(time_back_to_back(step, steps=5, repeats=args.iters, device=dev))
+            except Exception as err:  # noqa: BLE001 -- reported in the row, never hidden
+                errors[name] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+                continue
             times[name][2].append(peak_memory_gib())
             times[name][3].append(counters["stats"]["unique_graphs"] - graphs)
     rows = []
     for name, (single, b2b, peak, graphs) in times.items():
+        if name in errors:
+            rows.append({"impl": name, "error": errors[name]})
+            continue
         ms = statistics.median(single)
         rows.append({"impl": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "ms back-to-back": statistics.median(b2b),
                      "peak_GiB": max(peak), "ms per round": " / ".join(f"{v:.2f}" for v in single),

@@ -34,6 +34,14 @@ def _cast_launchers(device: torch.device):
     return kc.cast_to_fp8_reference, kc.cast_transpose_dbias_reference, kc.transpose_fp8_reference
 
 
+def _scale_inv_like(scale: torch.Tensor) -> torch.Tensor:
+    """The fake (meta) ``scale_inv [1]`` of a cast op: float32 whatever ``scale``'s dtype, as the kernels write it.
+    Current scaling passes its amax *in x's dtype* as the scale operand (``Quantizer._kernel_args``); a fake that
+    copied that dtype made a bf16 model's compiled graph hand a bf16 ``scale_inv`` to ``torch._scaled_mm``, whose
+    CUDA meta check refuses it (issue: the compiled layer with bf16 parameters died on the H100)."""
+    return scale.new_empty((1,), dtype=torch.float32)
+
+
 def _none_as_empty(t: Optional[torch.Tensor], like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     return like.new_empty((0,), dtype=dtype or like.dtype) if t is None else t
 
@@ -63,7 +71,7 @@ def _(x, scale, fp8_dtype, amax, transpose, scale_from_amax):
     n = x.shape[-1] if x.dim() else 1
     rows = x.numel() // n if n else 0
     data_t = x.new_empty((n, rows) if transpose else (0,), dtype=fp8_dtype)
-    return x.new_empty(x.shape, dtype=fp8_dtype), data_t, scale.new_empty((1,))
+    return x.new_empty(x.shape, dtype=fp8_dtype), data_t, _scale_inv_like(scale)
 
 
 @kernel_op("cast_transpose_dbias_fp8", mutates_args=("amax",))
@@ -81,7 +89,7 @@ def _(dy, scale, fp8_dtype, amax, scale_from_amax):
     n = dy.shape[-1]
     rows = dy.numel() // n if n else 0
     return (dy.new_empty(dy.shape, dtype=fp8_dtype), dy.new_empty((n, rows), dtype=fp8_dtype),
-            scale.new_empty((1,)), dy.new_empty((n,)))
+            _scale_inv_like(scale), dy.new_empty((n,)))
 
 
 @kernel_op("transpose_fp8")

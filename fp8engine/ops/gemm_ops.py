@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor, quantize_torch
+from fp8engine.fp8.cast_ops import _scale_inv_like
 from fp8engine.fp8.library import kernel_op
 
 __all__ = ["gemm_bias_gelu_fp8", "mm_accumulate_fp8", "compiled_gemm_ops"]
@@ -84,7 +85,7 @@ def _gemm_bias_gelu_reference(a, a_scale_inv, b, b_scale_inv, bias, out_dtype, s
 @gemm_bias_gelu_fp8.register_fake
 def _(a, a_scale_inv, b, b_scale_inv, bias, out_dtype, scale, fp8_dtype, amax):
     m, n = a.shape[0], b.shape[0]
-    return a.new_empty((m, n), dtype=out_dtype), a.new_empty((m, n), dtype=fp8_dtype), scale.new_empty((1,))
+    return a.new_empty((m, n), dtype=out_dtype), a.new_empty((m, n), dtype=fp8_dtype), _scale_inv_like(scale)
 
 
 @kernel_op("mm_accumulate_fp8", mutates_args=("out",))

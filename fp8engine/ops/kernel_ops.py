@@ -55,7 +55,7 @@ ACT_KINDS = {"gelu": ("gelu_fwd", "gelu_bwd_cast_transpose"), "relu": ("relu_fwd
 
 # the cast ops and compiled_kernel_ops live in the fp8 layer (the Quantizer calls them); re-exported here
 from fp8engine.fp8.cast_ops import (  # noqa: E402,F401
-    _none_as_empty, cast_fp8, cast_transpose_dbias_fp8, compiled_kernel_ops)
+    _none_as_empty, _scale_inv_like, cast_fp8, cast_transpose_dbias_fp8, compiled_kernel_ops)
 
 
 def _launcher(kind: str, which: int, device: torch.device):
@@ -92,7 +92,7 @@ def act_fwd_fp8(h: torch.Tensor, kind: str, scale: torch.Tensor, fp8_dtype: torc
 
 @act_fwd_fp8.register_fake
 def _(h, kind, scale, fp8_dtype, amax):
-    return h.new_empty(_act_out_shape(h, kind), dtype=fp8_dtype), scale.new_empty((1,))
+    return h.new_empty(_act_out_shape(h, kind), dtype=fp8_dtype), _scale_inv_like(scale)
 
 
 @kernel_op("act_bwd_fp8", mutates_args=("amax",))
@@ -116,7 +116,7 @@ def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, kind: str, scale: torch.Tenso
 def _(da, h, kind, scale, fp8_dtype, amax):
     rows = h.numel() // h.shape[-1] if h.shape[-1] else 0
     return (h.new_empty(h.shape, dtype=fp8_dtype), h.new_empty((h.shape[-1], rows), dtype=fp8_dtype),
-            scale.new_empty((1,)), da.new_empty((h.shape[-1],)))
+            _scale_inv_like(scale), da.new_empty((h.shape[-1],)))
 
 
 @kernel_op("act_fwd_amax", mutates_args=("amax",))
@@ -307,5 +307,5 @@ def qkv_grad_cast_fp8(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scal
 def _(dq, dk, dv, scale, fp8_dtype, amax, cos, sin):
     s, b, g, hpg, d = dq.shape
     t, c = s * b, g * (hpg + 2) * d
-    return (dq.new_empty((t, c), dtype=fp8_dtype), dq.new_empty((c, t), dtype=fp8_dtype), scale.new_empty((1,)),
+    return (dq.new_empty((t, c), dtype=fp8_dtype), dq.new_empty((c, t), dtype=fp8_dtype), _scale_inv_like(scale),
             dq.new_empty((c,)))

@@ -179,3 +179,33 @@ def test_checkpoint_of_compiled_run_holds_pending_grad_amax():
     assert pending.max() > 0
     assert torch.equal(eager.state_dict()["fp8_state.amax_history"], compiled_mod.state_dict()["fp8_state.amax_history"])
     assert torch.equal(compiled_mod.fp8_state.grad_amax, pending)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA meta checks of torch._scaled_mm run on a GPU")
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float32])
+def test_compiled_layer_on_cuda_each_params_dtype(params_dtype, recipe):
+    """``torch.compile`` (Inductor, as ``python -m fp8engine.bench layer`` compiles it) of the FP8
+    ``TransformerLayer`` on CUDA with bf16 and fp32 parameters: it traces (the custom cast ops' fake ``scale_inv``
+    stays float32 when current scaling passes a bf16 amax: a bf16 one made ``torch._scaled_mm``'s CUDA meta check
+    refuse the graph) and two steps match eager mode. SQNR >= 25 dB: both run FP8 GEMMs, Inductor's fused ops round
+    the high-precision parts differently and may flip single FP8 steps (torchao's bound for FP8 casts)."""
+    from tests.conftest import sqnr
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = M.TransformerLayer(H, 4 * H, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+                               params_dtype=params_dtype, device="cuda")
+    compiled = torch.compile(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(S, B, H, device="cuda", dtype=params_dtype) * (step + 1)
+        outs = []
+        for mod in (eager, compiled):
+            xi = x.clone().requires_grad_()
+            with fp8_autocast(fp8_recipe=RECIPES[recipe]()):
+                y = mod(xi)
+            y.float().square().mean().backward()
+            outs.append((y.detach(), xi.grad))
+        assert sqnr(outs[0][0], outs[1][0]) >= 25 and sqnr(outs[0][1], outs[1][1]) >= 25, step
+    for st in _states(compiled):
+        assert st.scale.dtype == torch.float32 and st.amax_history.dtype == torch.float32

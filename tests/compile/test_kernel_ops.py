@@ -129,6 +129,12 @@ def test_cast_and_norm_opcheck():
         torch.library.opcheck(cast_fp8, (x, scale, E4M3, torch.zeros(1), transpose, False))
         torch.library.opcheck(cast_fp8, (x, torch.tensor(7.0), E4M3, None, transpose, True))
     torch.library.opcheck(cast_transpose_dbias_fp8, (x, scale, E5M2, torch.zeros(1), False))
+    # current scaling hands its amax over in x's dtype (Quantizer._kernel_args): the fake scale_inv must still be
+    # float32, as the kernels write it (a bf16 one made the compiled bf16 layer's torch._scaled_mm fail on CUDA)
+    amax_bf16 = x.abs().amax()
+    assert amax_bf16.dtype == torch.bfloat16
+    torch.library.opcheck(cast_fp8, (x, amax_bf16, E4M3, None, True, True))
+    torch.library.opcheck(cast_transpose_dbias_fp8, (x, amax_bf16, E5M2, None, True))
     w, b = torch.randn(96).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
     for rms in (False, True):
         for residual in (None, _x("cpu", seed=2)):
