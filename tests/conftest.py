@@ -55,3 +55,14 @@ def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
+
+
+def pytest_runtest_logreport(report):
+    """With ``FP8ENGINE_TEST_DURATIONS=FILE``, append ``<seconds> <outcome> <test id>`` per test phase that took
+    time, as each test finishes (also under pytest-xdist: the controller gets every report). A run cut at a device
+    call's time limit still says which tests were slow and which failed (``--durations`` prints only at the end);
+    tools/gpu_check.sh sets it and balances its shards by these times."""
+    path = os.environ.get("FP8ENGINE_TEST_DURATIONS")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER") and (report.when == "call" or report.outcome != "passed" or report.duration > 1.0):
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f} {report.when}:{report.outcome} {report.nodeid}\n")

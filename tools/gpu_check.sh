@@ -38,19 +38,24 @@ print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_
 EOF
 cat "$OUT/env.txt"
 if want tests; then
-  # pytest-xdist and pytest-timeout when installed: the suite spread over 8 workers, no test hangs the check.
+  # pytest-xdist and pytest-timeout when installed (carry their wheels in .whl/): the suite spread over 15 workers
+  # (16 CPU cores on the H100 machine), no test hangs the check. TESTS_SHARD=i/n runs every n-th test file from the
+  # i-th (1/2 and 2/2 in two device calls cover all of tests/ when one call's 10 minutes are not enough).
   extra=()
-  # ~10 min on one H100 with 8 workers (16 CPU cores there), at the edge of one device call: TESTS_SHARD=i/n runs
-  # every n-th test file from the i-th (shards 1/2 and 2/2 in two calls cover all of tests/). -v names each test as
-  # it finishes, so a call stopped at its time limit still says which tests failed (-q printed only F's).
-  python3 -c "import xdist" 2>/dev/null && extra+=(-n "${PYTEST_WORKERS:-8}")
+  python3 -c "import xdist" 2>/dev/null && extra+=(-n "${PYTEST_WORKERS:-15}")
+  # One intra-op CPU thread per worker: torch's default (one per core) times 15 workers oversubscribed the 16 cores
+  # 15-fold, and the CPU-tensor tests crawled (a 40-step fp32 CPU training test took 166 s, H100 machine, -n 15).
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  # <seconds> <phase:outcome> <test id> per test as it finishes (tests/conftest.py), kept even when a call is cut
+  export FP8ENGINE_TEST_DURATIONS="$OUT/test_durations.txt"
   python3 -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 300)
   targets=(tests)
   if [ -n "${TESTS_SHARD:-}" ]; then
     IFS=/ read -r i n <<< "$TESTS_SHARD"
     mapfile -t targets < <(find tests -name 'test_*.py' | sort | awk -v i="$i" -v n="$n" '(NR - 1) % n == i - 1')
   fi
-  phase tests python3 -m pytest -v -rfE --maxfail=15 -p no:cacheprovider --durations=25 "${extra[@]}" "${targets[@]}"
+  phase tests python3 -m pytest -q -rfE --maxfail=15 -p no:cacheprovider --durations=25 "${extra[@]}" "${targets[@]}"
+  sort -rn "$FP8ENGINE_TEST_DURATIONS" | head -n 12 >> "$OUT/summary.txt"
   grep -a "FAILED\|ERROR" "$OUT/tests.log" | grep -av "^E " | sort -u | head -40 >> "$OUT/summary.txt"
 fi
 if want train; then
