@@ -1,5 +1,6 @@
-"""The package's layers import one way: modules -> ops -> kernels / fp8 (STYLE.md). Read from the source with ``ast``
-(nothing is imported), so an import hidden inside a function counts too."""
+"""The package's layers import one way: modules -> ops -> kernels / fp8 (STYLE.md), and no module imports itself
+through others (no import cycle). Read from the source with ``ast`` (nothing is imported), so an import hidden
+inside a function counts too."""
 import ast
 import pathlib
 
@@ -62,3 +63,64 @@ def test_the_check_sees_an_upward_import(tmp_path):
         PKG = saved
     assert found == ["fp8engine/fp8/x.py:1 imports fp8engine.parallel.amax",
                      "fp8engine/fp8/x.py:4 imports fp8engine.modules.base"]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (function-level imports too). ``from fp8engine.fp8 import x``
+    depends on the package ``fp8engine.fp8`` (its ``__init__``) and, where ``x`` is a module, on ``x``."""
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = {imported for _, imported in _imported(path) if imported in modules}
+        for node in ast.walk(ast.parse(path.read_text())):  # ``from package import submodule``
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                deps.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules)
+        graph[name] = deps - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted: every import cycle."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle():
+    graph = _import_graph()
+    assert "fp8engine.ops.gemm" in graph and "fp8engine.ops.gemm_ops" in graph["fp8engine.ops.mlp"]
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]

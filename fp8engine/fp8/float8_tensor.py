@@ -63,7 +63,7 @@ class Float8Tensor:
 
                 self._data_t = transpose_fp8(self.data.contiguous())
                 return self._data_t
-            from fp8engine.fp8 import cast_ops
+            import fp8engine.fp8.cast_ops as cast_ops
 
             if cast_ops.compiled_kernel_ops(self.data):  # traced by torch.compile on CUDA: the kernel as an op
                 self._data_t = cast_ops.transpose_fp8(self.data)

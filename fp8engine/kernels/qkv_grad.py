@@ -402,7 +402,7 @@ def qkv_grad_1x128_reference(dq, dk, dv, fp8_dtype, *, power_2_scale=True, trans
     """Plain-PyTorch :func:`qkv_grad_1x128` without angle tables: the assembled buffer with its rows zero-padded to a
     multiple of 128, ``block_cast.cast_1x128_reference`` and the fp32 column sums (another summation order than the
     kernel's). With angle tables the kernel equals this function on ``fp8engine.ops.rotary.rope_bwd`` of dq and dk
-    (``ops.qkv.unrotate_grads``; the kernels layer does not import ops)."""
+    (``ops.rotary.unrotate_grads``; the kernels layer does not import ops)."""
     grad = assemble_qkv_grad(dq, dk, dv)
     grad = grad.reshape(-1, grad.shape[-1])
     pad = -grad.shape[0] % BLOCK

@@ -33,7 +33,8 @@ from fp8engine.fp8.quantizer import LinearQuantizers
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad, qkv_grad_1x128
 from fp8engine.ops.block_gemm import block_gemm
 from fp8engine.ops.linear import main_grad_of
-from fp8engine.ops.qkv import split_rotate, unrotate_grads
+from fp8engine.ops.qkv import split_rotate
+from fp8engine.ops.rotary import unrotate_grads
 from fp8engine.recipe import Float8BlockScaling
 
 __all__ = ["block_linear", "block_fp8_linear", "block_fp8_linear_qkv", "BlockLinearFunction", "BlockLinearQKV",

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.kernels import cublaslt
-from fp8engine.ops.gemm_ops import compiled_gemm_ops, mm_accumulate_fp8
 
 __all__ = ["fp8_gemm", "fp8_fprop", "fp8_gemm_bias_gelu", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
 
@@ -103,8 +102,9 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     CPU, or when ``out`` is not contiguous or an operand is not 16-byte aligned (cuBLASLt's FP8 kernels refuse a
     4-byte-aligned output: status 15), it is :func:`fp8_mm` into float32 plus ``out.add_``. Both add the same fp32
     GEMM result to ``out`` (bit-identical on H200 in ``tests/ops/test_gemm_accumulate.py``, up to the algorithm
-    cuBLASLt picks). Traced by ``torch.compile`` on CUDA: the custom op
-    :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8`, which runs this function (mutating ``out`` in place).
+    cuBLASLt picks). Code traced by ``torch.compile`` on CUDA calls the custom op
+    :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8` instead (:func:`fp8engine.ops.linear.dgrad_wgrad` picks it),
+    which runs this function (mutating ``out`` in place); traced here, it runs the unfused ``fp8_mm`` + ``add_``.
     Operands and errors as :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also ``TypeError`` when ``out`` is not
     float32 and ``ValueError`` when it is not shaped ``[M, N]``.
     """
@@ -119,9 +119,6 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
         if all(t.data_ptr() % 16 == 0 for t in (a, b, out)):  # cuBLASLt checks dtypes and shapes
             cublaslt.scaled_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out)
             return
-    elif compiled_gemm_ops(out):  # traced by torch.compile on CUDA: this function as an opaque op (gemm_ops)
-        mm_accumulate_fp8(a, a_scale_inv, b, b_scale_inv, out, pad_inner)
-        return
     out.add_(fp8_mm(a, a_scale_inv, b, b_scale_inv, torch.float32, pad_inner=pad_inner))
 
 

@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from fp8engine.fp8.library import kernel_op
+from fp8engine.ops.rotary import rotate_views, unrotate_grads
 
 __all__ = ["act_fwd_fp8", "act_bwd_fp8", "act_fwd_amax", "act_bwd_dbias_amax", "cast_fp8", "cast_transpose_dbias_fp8",
            "norm_fwd_fp8", "norm_bwd", "rope_qk", "qkv_grad_cast_fp8", "ACT_KINDS", "compiled_kernel_ops"]
@@ -246,15 +247,12 @@ def _rope_launchers(device: torch.device):
 
 
 def _rope_qk_reference(qkv, cos, sin, split, batch):
-    from fp8engine.ops.qkv import rotate_views
-
     q, k = rotate_views(qkv.view(-1, batch, qkv.shape[-1]), split, cos, sin)
     return q.contiguous(), k.contiguous()  # (an operator's outputs: new, dense tensors)
 
 
 def _qkv_grad_reference(dq, dk, dv, scale, fp8_dtype, amax_out=None, *, cos=None, sin=None):
     from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias_reference
-    from fp8engine.ops.qkv import unrotate_grads
 
     if cos is not None:
         dq, dk = unrotate_grads(dq, dk, (cos, sin))

@@ -36,6 +36,7 @@ from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.comm import LinearComm
 from fp8engine.ops.gemm import fp8_fprop, fp8_mm, fp8_mm_accumulate
+from fp8engine.ops.gemm_ops import compiled_gemm_ops, mm_accumulate_fp8
 
 __all__ = ["linear", "fp8_linear", "linear_input", "output_leading_dims", "LINEAR_ROLES", "main_grad_of",
            "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
@@ -56,6 +57,10 @@ def main_grad_of(weight: torch.Parameter) -> torch.Tensor:
         raise ValueError(f"weight.main_grad must be float32 with the weight's shape {tuple(weight.shape)}, got "
                          f"{main_grad.dtype} {tuple(main_grad.shape)}")
     return main_grad
+
+
+def _mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner):
+    fp8_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner=pad_inner)
 
 
 def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
@@ -195,8 +200,9 @@ def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple]
         x_t = (x_total.transpose_2d(), x_total.scale_inv)
     if x_t is not None:
         if fuse_wgrad:
-            fp8_mm_accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], main_grad_of(weight),
-                              pad_inner=True)
+            # traced by torch.compile on CUDA: the accumulating GEMM as an opaque op (ops/gemm_ops.py), else eager's
+            accumulate = mm_accumulate_fp8 if compiled_gemm_ops(x_t[0]) else _mm_accumulate
+            accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], main_grad_of(weight), True)
         else:
             dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], weight.dtype, pad_inner=True)
     if work is not None:

@@ -29,33 +29,9 @@ from fp8engine.kernels.qkv_grad import assemble_qkv_grad
 from fp8engine.kernels.rotary import check_rope_table, rope_qk
 from fp8engine.ops import kernel_ops
 from fp8engine.ops.linear import _FP8Linear, linear_backward, linear_input
-from fp8engine.ops.rotary import rope_bwd, rope_cos_sin, rope_fwd
+from fp8engine.ops.rotary import qkv_views, rope_bwd, rope_cos_sin, rope_fwd, rotate_views, unrotate_grads
 
 __all__ = ["fp8_linear_qkv", "split_grouped_qkv", "qkv_grad_fp8"]
-
-
-def _views(y: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
-    """``y [s, b, C]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d])`` views."""
-    grouped = y.view(*y.shape[:-1], groups, heads_per_group + 2, head_dim)
-    return grouped[..., :heads_per_group, :], grouped[..., heads_per_group, :], grouped[..., heads_per_group + 1, :]
-
-
-def rotate_views(y: torch.Tensor, split: tuple, cos: torch.Tensor, sin: torch.Tensor):
-    """The plain-PyTorch rotation of q and k of ``y [s, b, C]`` (:func:`fp8engine.ops.rotary.rope_fwd` on the
-    grouped views): ``(q [s, b, g * hpg, d], k [s, b, g, d])``, new tensors; the bits of
-    :func:`fp8engine.kernels.rotary.rope_qk`."""
-    g, hpg, d = split
-    q, k, _ = _views(y, g, hpg, d)
-    return rope_fwd(q.reshape(*y.shape[:2], g * hpg, d), cos, sin), rope_fwd(k, cos, sin)
-
-
-def unrotate_grads(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], rope: tuple):
-    """The rotation's gradient (:func:`fp8engine.ops.rotary.rope_bwd`) applied to ``dq [s, b, g, hpg, d]`` and
-    ``dk [s, b, g, d]`` (None stays None): the gradients of q and k before the rotation."""
-    if dq is not None:
-        s, b, g, hpg, d = dq.shape
-        dq = rope_bwd(dq.reshape(s, b, g * hpg, d), *rope).view(s, b, g, hpg, d)
-    return dq, None if dk is None else rope_bwd(dk, *rope)
 
 
 def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
@@ -63,7 +39,7 @@ def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
     rotary angles ``freqs [s, 1, 1, r]`` q and k rotated (new tensors: one kernel pass from ``y``,
     :func:`fp8engine.kernels.rotary.rope_qk`, where the kernels run; else :func:`fp8engine.ops.rotary.rope_fwd`, the
     same bits) and ``rope = (cos, sin)`` in ``y``'s dtype for the backward (None without ``freqs``)."""
-    q, k, v = _views(y, *split)
+    q, k, v = qkv_views(y, *split)
     if freqs is None:
         return q, k, v, None
     g, hpg, d = split

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rope_cos_sin", "rope_fwd", "rope_bwd"]
+__all__ = ["rope_cos_sin", "rope_fwd", "rope_bwd", "qkv_views", "rotate_views", "unrotate_grads"]
 
 
 def rope_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,3 +59,27 @@ def rope_bwd(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     g1, g2 = (rot * sin).chunk(2, dim=-1)
     d = rot * cos + torch.cat((g2, -g1), dim=-1)
     return d if r == g.shape[-1] else torch.cat((d, g[..., r:]), dim=-1)
+
+
+def qkv_views(y: torch.Tensor, groups: int, heads_per_group: int, head_dim: int):
+    """``y [s, b, C]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d])`` views."""
+    grouped = y.view(*y.shape[:-1], groups, heads_per_group + 2, head_dim)
+    return grouped[..., :heads_per_group, :], grouped[..., heads_per_group, :], grouped[..., heads_per_group + 1, :]
+
+
+def rotate_views(y: torch.Tensor, split: tuple, cos: torch.Tensor, sin: torch.Tensor):
+    """The plain-PyTorch rotation of q and k of ``y [s, b, C]`` (:func:`rope_fwd` on the
+    grouped views): ``(q [s, b, g * hpg, d], k [s, b, g, d])``, new tensors; the bits of
+    :func:`fp8engine.kernels.rotary.rope_qk`."""
+    g, hpg, d = split
+    q, k, _ = qkv_views(y, g, hpg, d)
+    return rope_fwd(q.reshape(*y.shape[:2], g * hpg, d), cos, sin), rope_fwd(k, cos, sin)
+
+
+def unrotate_grads(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], rope: tuple):
+    """The rotation's gradient (:func:`rope_bwd`) applied to ``dq [s, b, g, hpg, d]`` and
+    ``dk [s, b, g, d]`` (None stays None): the gradients of q and k before the rotation."""
+    if dq is not None:
+        s, b, g, hpg, d = dq.shape
+        dq = rope_bwd(dq.reshape(s, b, g * hpg, d), *rope).view(s, b, g, hpg, d)
+    return dq, None if dk is None else rope_bwd(dk, *rope)

@@ -13,6 +13,7 @@ import fp8engine as fe
 import fp8engine.modules as M
 import fp8engine.ops.gemm as gemm
 import fp8engine.ops.gemm_ops as gemm_ops
+import fp8engine.ops.linear as linear_ops
 import fp8engine.ops.mlp as mlp_ops
 from fp8engine.fp8.autocast import FP8Context, fp8_autocast
 from fp8engine.fp8.float8_tensor import Float8Tensor, quantize_torch
@@ -150,7 +151,7 @@ def test_compiled_fuse_wgrad_through_the_accumulate_op(monkeypatch, module):
     measured bit-equal on CPU, torch 2.13; the slack is for Inductor's own rounding of the fp32 loss-gradient
     arithmetic upstream of the FP8 casts), outputs and input gradients within 60 dB (measured >= 133 dB)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(gemm, "compiled_gemm_ops", lambda x: torch.compiler.is_compiling())
+    monkeypatch.setattr(linear_ops, "compiled_gemm_ops", lambda x: torch.compiler.is_compiling())
     calls = _counting(monkeypatch, gemm_ops, "_mm_accumulate_reference")
     torch.manual_seed(0)
     make = dict(Linear=lambda: M.Linear(64, 96, fuse_wgrad_accumulation=True),

@@ -10,7 +10,7 @@ from test_qkv_grad_kernel import _make_grads
 from fp8engine.kernels._common import HAS_TRITON
 from fp8engine.kernels.block_cast import cast_1x128_dbias
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad, qkv_grad_1x128, qkv_grad_1x128_reference
-from fp8engine.ops.qkv import unrotate_grads
+from fp8engine.ops.rotary import unrotate_grads
 from fp8engine.ops.rotary import rope_cos_sin
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")

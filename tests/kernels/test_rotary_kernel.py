@@ -11,7 +11,7 @@ from fp8engine.kernels._common import HAS_TRITON
 from fp8engine.kernels.cast import cast_transpose_dbias
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad, qkv_grad_cast_transpose_dbias
 from fp8engine.kernels.rotary import rope_qk
-from fp8engine.ops.qkv import _views
+from fp8engine.ops.rotary import qkv_views as _views
 from fp8engine.ops.rotary import rope_bwd, rope_cos_sin, rope_fwd
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")

@@ -10,7 +10,8 @@ from fp8engine.fp8.quantizer import LinearQuantizers
 from fp8engine.kernels._common import HAS_TRITON
 from fp8engine.ops.block_linear import block_fp8_linear, block_fp8_linear_qkv
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
-from fp8engine.ops.qkv import split_grouped_qkv, unrotate_grads
+from fp8engine.ops.qkv import split_grouped_qkv
+from fp8engine.ops.rotary import unrotate_grads
 from fp8engine.ops.rotary import rope_cos_sin
 from fp8engine.recipe import Float8BlockScaling
 
