@@ -12,8 +12,8 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Union
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8BlockScaling", "Recipe", "FP8_MAX",
-           "AMAX_COMPUTE_ALGOS"]
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "Float8BlockScaling", "Recipe",
+           "FP8_MAX", "AMAX_COMPUTE_ALGOS"]
 
 #: Largest finite magnitude of each FP8 encoding (OCP FP8 spec, "FP8 Formats for Deep Learning",
 #: Micikevicius et al. 2022): E4M3 saturates at 448, E5M2 at 57344.
@@ -127,6 +127,11 @@ class CurrentScaling:
 
     def __post_init__(self) -> None:
         _check_format(self.fp8_format)
+
+
+#: TransformerEngine's name of :class:`CurrentScaling` (``transformer_engine.common.recipe.Float8CurrentScaling``):
+#: the same class, so ``Float8CurrentScaling() == CurrentScaling()`` and either passes ``isinstance`` for the other.
+Float8CurrentScaling = CurrentScaling
 
 
 @dataclass(frozen=True)

@@ -107,8 +107,19 @@ def get_fp8_recipe():
     return None if ctx is None else ctx.recipe
 
 
+def _one_group(name: str, group, alias: str, alias_group):
+    """``group`` or its alias (TransformerEngine's ``amax_reduction_group``); ``TypeError`` if both are given and
+    differ."""
+    if alias_group is None:
+        return group
+    if group is not None and group is not alias_group:
+        raise TypeError(f"{name} and {alias} are the same argument (the amax reduction group) and were given "
+                        f"different groups; pass only one of them")
+    return alias_group
+
+
 @contextlib.contextmanager
-def autocast(enabled: bool = True, recipe=None, amax_group=None):
+def autocast(enabled: bool = True, recipe=None, amax_group=None, *, amax_reduction_group=None):
     """Run the enclosed forward passes in FP8 with ``recipe`` (default ``DelayedScaling()``).
 
     Args:
@@ -118,9 +129,13 @@ def autocast(enabled: bool = True, recipe=None, amax_group=None):
             multiples of 128, checked at their first forward).
         amax_group: a ``torch.distributed`` process group across which amaxes are MAX-reduced before the scale
             update (``DelayedScaling.reduce_amax``); usually the data-parallel (or dp x tp) group.
+        amax_reduction_group: keyword only; TransformerEngine 2.x's name of ``amax_group`` (``te.autocast(...,
+            amax_reduction_group=...)``). Give one of the two.
     Raises:
-        TypeError: ``recipe`` is not one of the recipes above.
+        TypeError: ``recipe`` is not one of the recipes above, or ``amax_group`` and ``amax_reduction_group`` are
+            different groups.
     """
+    amax_group = _one_group("amax_group", amax_group, "amax_reduction_group", amax_reduction_group)
     if recipe is None:
         recipe = DelayedScaling()
     if not isinstance(recipe, (DelayedScaling, CurrentScaling, Float8BlockScaling)):
@@ -135,9 +150,12 @@ def autocast(enabled: bool = True, recipe=None, amax_group=None):
         reduce_and_update(ctx.states.values(), recipe, amax_group)
 
 
-def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None):
-    """TransformerEngine's spelling of :func:`autocast`: ``fp8_autocast(enabled, fp8_recipe, fp8_group)``."""
-    return autocast(enabled=enabled, recipe=fp8_recipe, amax_group=fp8_group)
+def fp8_autocast(enabled: bool = True, fp8_recipe=None, fp8_group=None, *, amax_reduction_group=None):
+    """TransformerEngine's spelling of :func:`autocast`: ``fp8_autocast(enabled, fp8_recipe, fp8_group)``;
+    ``fp8_group`` (TransformerEngine 1.x) and ``amax_reduction_group`` (2.x) both name :func:`autocast`'s
+    ``amax_group``. Raises :func:`autocast`'s errors, and ``TypeError`` when the two groups given differ."""
+    group = _one_group("fp8_group", fp8_group, "amax_reduction_group", amax_reduction_group)
+    return autocast(enabled=enabled, recipe=fp8_recipe, amax_group=group)
 
 
 @contextlib.contextmanager

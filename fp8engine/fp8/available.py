@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Union
 
 import torch
 
@@ -19,15 +20,34 @@ def _cpu_scaled_mm_works() -> bool:
         return False
 
 
-def is_fp8_available(device=None) -> tuple[bool, str]:
+def is_fp8_available(return_reason: bool = False, *, device=None) -> Union[bool, tuple[bool, str]]:
     """Whether FP8 GEMMs run on ``device`` (default: the current CUDA device if any, else the CPU).
+
+    TransformerEngine 2.x's signature, so ``if is_fp8_available():`` tests availability (a bare call returns a
+    bool, never a tuple, which would always be truthy).
 
     Rules (TransformerEngine's): compute capability >= 9.0 (Hopper) -> True; 8.9 (Ada) -> True only with
     CUDA >= 12.1; below 8.9 -> False. CPU -> True when ``torch._scaled_mm`` runs there (FP8 emulated).
 
+    Args:
+        return_reason: False: return the bool alone. True: return ``(available, reason)``.
+        device: keyword only; a ``torch.device`` or a string such as ``"cuda:1"``.
     Returns:
-        ``(available, reason)``; ``reason`` says why not, or how FP8 runs.
+        ``available``, or ``(available, reason)`` with ``return_reason``; ``reason`` says why not, or how FP8 runs
+        (TransformerEngine gives ``""`` when available; here it names the device's capability or CPU emulation).
+    Raises:
+        TypeError: ``return_reason`` is not a bool: e.g. a device passed positionally (it was the first argument
+            before this signature followed TransformerEngine's); pass ``device=`` instead.
     """
+    if not isinstance(return_reason, bool):
+        raise TypeError(f"is_fp8_available(return_reason: bool = False, *, device=None): got return_reason="
+                        f"{return_reason!r}; pass the device as a keyword, is_fp8_available(device=...)")
+    available, reason = _availability(device)
+    return (available, reason) if return_reason else available
+
+
+def _availability(device) -> tuple[bool, str]:
+    """``(available, reason)`` for ``device`` (:func:`is_fp8_available`'s rules)."""
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)

@@ -23,6 +23,9 @@ class ScalingState(nn.Module):
             gradients' amaxes (eager backward writes ``amax_history[:, 0]`` directly); folded into
             ``amax_history[:, 0]`` and zeroed by :func:`reduce_and_update`. See :mod:`fp8engine.fp8.library`.
 
+    The buffers keep these dtypes under any dtype cast of the model (``.to(torch.bfloat16)``, ``.half()``): such a
+    cast moves them to its device, if any, and converts nothing (:meth:`_apply`).
+
     Args:
         roles: one name per FP8 tensor; a role ending in ``"grad_output"`` or ``"grad"`` uses the recipe's
             backward format (E5M2 under ``Format.HYBRID``), the others the forward format.
@@ -81,6 +84,20 @@ class ScalingState(nn.Module):
         k = min(length, old.shape[1])
         new[:, :k] = old[:, :k]
         self.amax_history = new
+
+    def _apply(self, fn, recurse=True):
+        """What ``nn.Module.to`` / ``.cuda()`` / ``.half()`` / ``.bfloat16()`` / ``to_empty(device=)`` / ``.type()`` run
+        on every buffer, with the dtypes kept: the buffers follow ``fn``'s device, never its dtype. A model cast to
+        bf16 (``model.to(torch.bfloat16)``, TransformerEngine's getting-started guide) keeps float32 scales and
+        amax histories (``torch._scaled_mm`` takes float32 scales only) and ``update_step`` stays int64; their values
+        are moved, not converted (no bf16 round trip). A buffer whose device does not change stays the same tensor
+        object, so the quantizers cached on it (:func:`fp8engine.fp8.quantizer.get_quantizers`) stay valid; a moved
+        one is a new tensor, which the caches validate by identity and rebuild."""
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            new = fn(t)
+            return new if new.dtype == t.dtype else t.to(device=new.device)
+
+        return super()._apply(keep_dtype, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         hist = state_dict.get(prefix + "amax_history")

@@ -67,6 +67,15 @@ class FP8Module(nn.Module):
         self._block_dims_checked = False
         self._weight_cache = FP8WeightCache()
 
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()`` ...), then drop the cached FP8 weights: they were
+        cast from the weights as they were (old device, old dtype). A following ``is_first_microbatch=False`` call
+        raises the weight cache's ValueError instead of using them; ``fp8_state`` keeps its float32 buffers
+        (:meth:`ScalingState._apply <fp8engine.fp8.state.ScalingState._apply>`)."""
+        out = super()._apply(fn, recurse)
+        self._weight_cache.clear()
+        return out
+
     def fp8_begin(self) -> Optional[tuple[LinearQuantizers, ...]]:
         """None outside FP8 regions, else the quantizers (class docstring). Checks the GEMM dims once per kind:
         ``ValueError`` naming the dim when one is not a multiple of 16 (of 128 under block scaling)."""

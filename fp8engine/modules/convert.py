@@ -104,8 +104,15 @@ def convert_to_fp8(module: nn.Module, module_filter_fn: Optional[Callable[[nn.Mo
     Returns:
         A :class:`ConversionReport` (printable).
     Raises:
-        TypeError: ``module`` is itself an ``nn.Linear``.
+        TypeError: ``module`` is not an ``nn.Module`` (e.g. a state dict, a list of layers, a model class or a
+            checkpoint path), or is itself an ``nn.Linear``.
     """
+    if not isinstance(module, nn.Module):
+        what = (f"the class {module.__name__}" if isinstance(module, type)
+                else f"an object of type {type(module).__name__}")
+        raise TypeError(f"convert_to_fp8 takes a model (a torch.nn.Module instance, e.g. "
+                        f"AutoModelForCausalLM.from_pretrained(...) or nn.Sequential(...)) and swaps its layers in "
+                        f"place; got {what}")
     if isinstance(module, nn.Linear):
         raise TypeError("convert_to_fp8 swaps children in place; wrap a bare nn.Linear in a container "
                         "(e.g. nn.Sequential) or build fp8engine.Linear directly")

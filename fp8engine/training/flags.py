@@ -18,7 +18,7 @@ from fp8engine.training import UsageError
 from fp8engine.training.distributed import env_world_size
 
 __all__ = ["build_parser", "check_flags", "check_out", "fill_defaults", "resolve_device", "check_block_run",
-           "check_fp8_dims", "check_precision", "MODEL_DEFAULTS", "RECIPES"]
+           "check_fp8_dims", "check_precision", "seq_len_warning", "MODEL_DEFAULTS", "RECIPES"]
 
 #: Per-model defaults for options left unset: (steps, batch size, learning rate).
 MODEL_DEFAULTS = {"tiny": (600, 16, 3e-3), "small": (5000, 64, 1e-3), "gpt2-124m": (20000, 16, 6e-4),
@@ -28,35 +28,64 @@ RECIPES = {"delayed": fp8engine.DelayedScaling, "current": fp8engine.CurrentScal
             "block": fp8engine.Float8BlockScaling}
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" only where X is the value a flag takes when left out: not for flags whose default
+    is filled in later (``None``: their help says how, per model where it depends on ``--model``) nor for on/off
+    switches (``--compile``, ``--no-cuda-graphs``), whose name says what giving them does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.nargs == 0:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _per_model(value) -> str:
+    """``"tiny 600, small 5000, ..."``: ``value(name, config)`` of every named model, for ``--help``."""
+    return ", ".join(f"{name} {value(name, config)}" for name, config in GPT_CONFIGS.items())
+
+
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     """The training command's parser (every flag, its help and default; ranges are checked by :func:`check_flags`)."""
     p = CommandParser(prog="python -m fp8engine.train", description=description,
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # adds --version
+                      formatter_class=_HelpFormatter)  # adds --version
     p.add_argument("--data", help="text file (byte-level tokens) or directory with nanoGPT train.bin/val.bin "
                                   "(uint16); default: this Python's standard-library .py sources")
     p.add_argument("--model", default="tiny", choices=list(GPT_CONFIGS), help="named model size")
-    p.add_argument("--n-layer", type=int, help="override the model's layer count")
-    p.add_argument("--n-head", type=int, help="override the model's attention heads")
-    p.add_argument("--hidden-size", type=int, help="override the model's width")
-    p.add_argument("--ffn-hidden-size", type=int, help="override the model's MLP width")
-    p.add_argument("--precision", default="fp8", choices=("fp8", "bf16", "fp32"))
+    p.add_argument("--n-layer", type=int, help="override the model's layer count (per model: "
+                                                f"{_per_model(lambda _, c: c.n_layer)})")
+    p.add_argument("--n-head", type=int, help="override the model's attention heads (per model: "
+                                               f"{_per_model(lambda _, c: c.n_head)})")
+    p.add_argument("--hidden-size", type=int, help="override the model's width (per model: "
+                                                    f"{_per_model(lambda _, c: c.hidden_size)})")
+    p.add_argument("--ffn-hidden-size", type=int, help="override the model's MLP width (per model: "
+                                                        f"{_per_model(lambda _, c: c.ffn_hidden_size)})")
+    p.add_argument("--precision", default="fp8", choices=("fp8", "bf16", "fp32"),
+                   help="the transformer layers' GEMMs in FP8 (emulated on a CPU), or everything in bf16 autocast "
+                        "or fp32; parameters stay fp32")
     p.add_argument("--recipe", default="delayed", choices=tuple(RECIPES),
                    help="FP8 scaling recipe: per-tensor delayed or current scaling, or block (Float8BlockScaling: "
                         "1x128 / 128x128 block scales; model dims multiples of 128)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default per model: tiny 600)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default per model: "
+                                              f"{_per_model(lambda name, _: MODEL_DEFAULTS[name][0])})")
     p.add_argument("--stop-at", type=int, help="end this run after this step, checkpointed, keeping the LR "
                                                "schedule of --steps; continue with --resume")
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default per model: tiny 16)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
-    p.add_argument("--lr", type=float, help="peak AdamW learning rate (default per model: tiny 3e-3)")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default per model: "
+                                                   f"{_per_model(lambda name, _: MODEL_DEFAULTS[name][1])})")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence, the context the model is built for (default: "
+                                                f"the model's, {_per_model(lambda _, c: c.max_seq_len)}; longer "
+                                                "runs with a warning: rotary positions, nothing learned per position)")
+    p.add_argument("--lr", type=float, help="peak AdamW learning rate (default per model: "
+                                             f"{_per_model(lambda name, _: f'{MODEL_DEFAULTS[name][2]:g}')})")
     p.add_argument("--warmup-steps", type=int, help="linear warm-up steps before the cosine decay "
                                                     "(default: --steps // 10, at most 100)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices")
-    p.add_argument("--dropout", type=float, help="dropout probability (default: the model's)")
+    p.add_argument("--dropout", type=float, help="dropout probability (default per model: "
+                                                  f"{_per_model(lambda _, c: f'{c.dropout:g}')})")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--eval-interval", type=int, help="evaluate every N steps (and at the end; default steps/4)")
+    p.add_argument("--eval-interval", type=int, help="evaluate every N steps and at the end (default: --steps // 4)")
     p.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, default=1337, help="seed of the initialisation, the batches, dropout and "
+                                                           "the sample")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -161,6 +190,22 @@ def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def seq_len_warning(args: argparse.Namespace) -> Optional[str]:
+    """The warning (one line) for a ``--seq-len`` longer than the named model's context, else None.
+
+    Not an error: the GPT's positions are rotary (:class:`fp8engine.models.GPT` builds the rotation for
+    ``max_seq_len = --seq-len``), so no table learned per position runs out; the model trains at the longer context
+    from its first step. But it is no longer the named model, and attention's time and memory grow with the square of
+    the length, so the run says so.
+    """
+    context = GPT_CONFIGS[args.model].max_seq_len
+    if args.seq_len is None or args.seq_len <= context:
+        return None
+    return (f"--seq-len {args.seq_len} is longer than the {args.model} model's context ({context}): the model is built "
+            f"for {args.seq_len} tokens (rotary positions, nothing learned per position) and attention's time and "
+            f"memory grow with the square of it; pass --seq-len {context} or less for the {args.model} model as named")
+
+
 def resolve_device(requested: Optional[str]) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA GPU is visible to this torch "
@@ -200,6 +245,6 @@ def check_fp8_dims(args: argparse.Namespace, config: GPTConfig, tp_size: int) ->
 
 def check_precision(args: argparse.Namespace, device: torch.device) -> None:
     if args.precision == "fp8":
-        ok, reason = fp8engine.is_fp8_available(device)
+        ok, reason = fp8engine.is_fp8_available(return_reason=True, device=device)
         if not ok:
             raise UsageError(f"--precision fp8 cannot run on {device}: {reason} Use --precision bf16")

@@ -69,3 +69,39 @@ def test_delayed_vs_current_on_a_range_jump():
     err_current = (q_current.dequantize(torch.float32) - big).norm() / big.norm()
     assert err_current < 0.05 < err_delayed  # saturation at the stale scale costs > 5 %
     assert st_lin.fp8_state.scale[0] == 448.0 / big.abs().max()  # and the next delayed step has adapted
+
+
+_AUTOCASTS = {  # how each entry point names the group: (fn, recipe keyword, older group keyword)
+    "autocast": (fe.autocast, "recipe", "amax_group"),
+    "fp8_autocast": (fe.fp8_autocast, "fp8_recipe", "fp8_group"),
+}
+
+
+@pytest.mark.parametrize("entry", list(_AUTOCASTS))
+@pytest.mark.parametrize("keyword", ["amax_reduction_group", "older"])
+def test_amax_reduction_group_reaches_the_reduction(entry, keyword, monkeypatch):
+    """TransformerEngine 2.x's ``amax_reduction_group`` names the same group as ``amax_group`` / ``fp8_group``: it
+    is the region's group and the one the scale update reduces amaxes over (recorded here instead of reduced)."""
+    import fp8engine.fp8.amax as amax
+
+    seen = []
+    monkeypatch.setattr(amax, "all_reduce_current_amax", lambda histories, group: seen.append(group))
+    fn, recipe_kw, older = _AUTOCASTS[entry]
+    group = object()  # stands for a process group: only its identity matters here
+    lin = fe.Linear(16, 16)
+    name = "amax_reduction_group" if keyword == "amax_reduction_group" else older
+    with fn(**{recipe_kw: fe.DelayedScaling(), name: group}) as ctx:
+        assert ctx.amax_group is group
+        lin(torch.randn(4, 16))
+    assert seen == [group]
+
+
+@pytest.mark.parametrize("entry", list(_AUTOCASTS))
+def test_amax_reduction_group_and_its_older_name_together(entry):
+    fn, _, older = _AUTOCASTS[entry]
+    group = object()
+    with fn(**{older: group, "amax_reduction_group": group}) as ctx:  # the same group twice: accepted
+        assert ctx.amax_group is group
+    with pytest.raises(TypeError, match=f"{older} and amax_reduction_group .* pass only one"):
+        with fn(**{older: group, "amax_reduction_group": object()}):
+            pass

@@ -69,8 +69,3 @@ def test_bad_inputs():
         fe.quantize(torch.ones(4, dtype=torch.int32), torch.float8_e4m3fn, torch.ones(1))
     with pytest.raises(TypeError, match="fp8_dtype"):
         fe.quantize(torch.ones(4), torch.float16, torch.ones(1))
-
-
-def test_is_fp8_available_cpu():
-    ok, reason = fe.is_fp8_available("cpu")
-    assert ok and "emulated" in reason

@@ -134,14 +134,20 @@ def test_cache_same_object_and_rebuilt_on_change():
     # the scale views are the live buffer: an in-place update (the scale update, load_state_dict) is seen
     st.scale[3] = 4.0
     assert longer[1].input.scale.item() == 4.0
-    # a module moved to another dtype gets new buffers, and new views
+    # a dtype cast keeps the buffers (float32, the same tensors): the cached views stay valid and are reused
     mod = fe.Linear(16, 16)
     with fe.autocast(recipe=delayed):
         before = mod.fp8_begin()
         assert mod.fp8_begin() is before
-        mod.fp8_state.to(torch.float64)
+        scale = mod.fp8_state.scale
+        mod.to(torch.float64)
+        assert mod.fp8_state.scale is scale and mod.fp8_begin() is before
+        # a move to another device gives new buffers (to_empty: new tensors even on the same device): new views
+        mod.to_empty(device="cpu")
         after = mod.fp8_begin()
-    assert after is not before and after[0].weight.scale.dtype == torch.float64
+    assert after is not before and mod.fp8_state.scale is not scale
+    assert after[0].input.scale.data_ptr() == mod.fp8_state.scale.data_ptr()  # row 0: the buffer's start
+    assert after[0].weight.scale.dtype == torch.float32
 
 
 def test_module_forward_builds_once():

@@ -25,6 +25,15 @@ def test_current_scaling_validates_format():
         CurrentScaling(fp8_format="e4m3")
 
 
+def test_float8_current_scaling_is_transformer_engines_name_of_current_scaling():
+    from fp8engine import recipe
+
+    assert "Float8CurrentScaling" in recipe.__all__ and recipe.Float8CurrentScaling is CurrentScaling
+    r = recipe.Float8CurrentScaling(fp8_format=Format.E4M3)
+    assert r == CurrentScaling(fp8_format=Format.E4M3) and type(r) is CurrentScaling
+    assert recipe.Float8CurrentScaling() == CurrentScaling() != CurrentScaling(fp8_format=Format.E4M3)
+
+
 def test_callable_algo_and_frozen():
     r = DelayedScaling(amax_compute_algo=lambda h: h.amax(-1))
     with pytest.raises(Exception):

@@ -38,6 +38,23 @@ def test_tied_weight_kept_whatever_its_name():
     assert model._keys_to_ignore_on_save == {f"out.fp8_state.{k}" for k in ("amax_history", "scale", "update_step")}
 
 
+@pytest.mark.parametrize("arg,what", [
+    (lambda: torch.nn.Linear(32, 64).state_dict(), "got an object of type OrderedDict"),
+    (lambda: [torch.nn.Linear(32, 64)], "got an object of type list"),
+    (lambda: torch.nn.Sequential, "got the class Sequential"),
+    (lambda: "checkpoints/model.pt", "got an object of type str"),
+    (lambda: None, "got an object of type NoneType"),
+])
+def test_not_a_module_is_a_type_error_saying_what_to_pass(arg, what):
+    with pytest.raises(TypeError, match=rf"takes a model \(a torch.nn.Module instance.*{what}$"):
+        fe.convert_to_fp8(arg())
+
+
+def test_bare_linear_refused():
+    with pytest.raises(TypeError, match="wrap a bare nn.Linear"):
+        fe.convert_to_fp8(torch.nn.Linear(32, 64))
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_report_hf_models(name):
     pytest.importorskip("transformers")
