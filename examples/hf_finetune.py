@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from fp8engine._cli import CommandParser, usage_error
-from fp8engine._cpu import prefer_avx2_cpu_kernels
+from fp8engine._cpu import flush_denormals, prefer_avx2_cpu_kernels
 
 PROG = "examples/hf_finetune.py"
 REPO = Path(__file__).resolve().parent.parent
@@ -138,6 +138,12 @@ class CausalLMLoss:
 def main(argv=None) -> int:
     prefer_avx2_cpu_kernels()  # before the first CPU kernel (fp8engine/_cpu.py)
     args = parse_args(argv)
+    with flush_denormals():  # CPU denormals read as 0 (FP8ENGINE_FLUSH_DENORMAL=0: kept; fp8engine/_cpu.py)
+        return finetune(args)
+
+
+def finetune(args) -> int:
+    """The run of :func:`main` on parsed ``args``."""
     import torch
     import transformers
 

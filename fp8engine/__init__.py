@@ -6,14 +6,16 @@ the FP8 ``Linear`` and layers, ``convert_to_fp8``, the FP8 health report ``fp8_s
 ``fp8engine.parallel``, the Flax frontend in ``fp8engine.jax``.
 
 The torch-side names load on first use (PEP 562), so ``import fp8engine.jax`` and ``fp8engine.recipe`` work
-without torch installed.
+without torch installed. TransformerEngine spellings: ``fp8_autocast``, ``Float8CurrentScaling`` (= ``CurrentScaling``),
+``checkpoint`` (:func:`fp8engine.parallel.random.te_checkpoint`).
 """
 from importlib import import_module
 
-from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Format
+from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 
 __version__ = "0.1.0"
 
+#: name -> the module that defines it, or ``(module, attribute)`` where the name is an alias of another attribute.
 _LAZY = {
     "autocast": "fp8engine.fp8.autocast", "fp8_autocast": "fp8engine.fp8.autocast",
     "get_fp8_recipe": "fp8engine.fp8.autocast", "is_fp8_available": "fp8engine.fp8.available",
@@ -27,18 +29,21 @@ _LAZY = {
     "LayerNorm": "fp8engine.modules.norm", "RMSNorm": "fp8engine.modules.norm",
     "LayerNormLinear": "fp8engine.modules.layernorm_linear", "LayerNormMLP": "fp8engine.modules.layernorm_mlp",
     "MultiheadAttention": "fp8engine.modules.attention", "TransformerLayer": "fp8engine.modules.transformer",
+    "DotProductAttention": "fp8engine.modules.dot_product_attention",
+    "checkpoint": ("fp8engine.parallel.random", "te_checkpoint"),
     "fp8_stats": "fp8engine.fp8.stats", "fp8_stats_recording": "fp8engine.fp8.stats",
     "format_fp8_stats": "fp8engine.fp8.stats", "FP8StatsRow": "fp8engine.fp8.stats",
 }
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8BlockScaling", *_LAZY]
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "Float8BlockScaling", *_LAZY]
 
 
 def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
+    where = _LAZY.get(name)
+    if where is None:
         raise AttributeError(f"module 'fp8engine' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = getattr(import_module(module), attr)
     globals()[name] = value
     return value
 

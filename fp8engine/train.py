@@ -78,7 +78,7 @@ from fp8engine.training.flags import (RECIPES, check_block_run, check_fp8_dims, 
 from fp8engine.training import flags
 from fp8engine.training.fp8_health import HEALTH_PLOT_NAME, STATS_KEY, plot_fp8_health, rows_to_json
 from fp8engine.fp8.stats import fp8_stats, fp8_stats_recording
-from fp8engine._cpu import prefer_avx2_cpu_kernels
+from fp8engine._cpu import FLUSH_DENORMAL_ENV, denormals_flushed, flush_denormals, prefer_avx2_cpu_kernels
 
 __all__ = ["main", "build_parser", "lr_at"]
 
@@ -465,12 +465,13 @@ def _describe(run: Run, model: GPT) -> str:
     fp8 = f" ({a.recipe} scaling)" if a.precision == "fp8" else ""
     par = f", dp {run.layout.dp_size} x tp {run.layout.tp_size}" if run.layout.world_size > 1 else ""
     if run.device.type != "cuda":
-        graphs = ""
+        device_line = (f"\n  CPU denormals: {'flushed to zero' if denormals_flushed() else 'kept'} "
+                       f"({FLUSH_DENORMAL_ENV}=0: kept)")
     elif a.cuda_graphs and run.graph_problem is None:
-        graphs = (f"\n  CUDA graphs: the training step{' (compiled)' if a.compile else ''} is captured after "
-                  f"{graph_warmup(a.compile)} eager steps and replayed (--no-cuda-graphs: off)")
+        device_line = (f"\n  CUDA graphs: the training step{' (compiled)' if a.compile else ''} is captured "
+                       f"after {graph_warmup(a.compile)} eager steps and replayed (--no-cuda-graphs: off)")
     else:
-        graphs = f"\n  CUDA graphs: off ({'--no-cuda-graphs' if not a.cuda_graphs else run.graph_problem})"
+        device_line = f"\n  CUDA graphs: off ({'--no-cuda-graphs' if not a.cuda_graphs else run.graph_problem})"
     stats = ""
     if a.fp8_stats:
         stats = (f"\n  FP8 stats: every {a.fp8_stats} steps into metrics.jsonl" + (" and fp8_health.png" if run.out
@@ -480,7 +481,7 @@ def _describe(run: Run, model: GPT) -> str:
     return (f"fp8engine.train: {a.model} GPT, {model.num_params():,} parameters{' per rank' if par else ''}, "
             f"{a.precision}{fp8} on {run.device}{par}\n  data: {run.data.description}; {len(run.data.train):,} train / "
             f"{len(run.data.val):,} val tokens\n  {a.steps} steps x {a.grad_accum} x {a.batch_size} x "
-            f"{a.seq_len} tokens, AdamW lr {a.lr:g} (warm-up {a.warmup_steps}, cosine){graphs}{stats}")
+            f"{a.seq_len} tokens, AdamW lr {a.lr:g} (warm-up {a.warmup_steps}, cosine){device_line}{stats}")
 
 
 def _finish(run: Run, model: GPT, last_step: int) -> None:
@@ -512,8 +513,16 @@ def _select_sharded(run: Run) -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``python -m fp8engine.train`` / ``fp8engine-train``; returns the exit status."""
+    """Entry point of ``python -m fp8engine.train`` / ``fp8engine-train``; returns the exit status.
+
+    Runs with torch's AVX2 CPU kernels and with denormal floats flushed to zero on the CPU, unless the user set
+    ``ATEN_CPU_CAPABILITY`` / ``FP8ENGINE_FLUSH_DENORMAL=0`` (:mod:`fp8engine._cpu`; the flush is undone on return)."""
     prefer_avx2_cpu_kernels()  # before the first CPU kernel (fp8engine/_cpu.py)
+    with flush_denormals():  # before torch starts its thread pool, which inherits the setting
+        return _main(argv)
+
+
+def _main(argv: Optional[list[str]]) -> int:
     args = build_parser().parse_args(argv)
     try:
         run = prepare(args)
@@ -523,6 +532,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:  # every rank found the same error; torchrun stops the others at the first exit: let rank 0 say it
             time.sleep(2.0)
         return 2
+    warning = flags.seq_len_warning(args)
+    if warning and int(os.environ.get("RANK", "0")) == 0:
+        print(f"fp8engine.train: warning: {warning}", file=sys.stderr, flush=True)
     run.layout = init_layout(args.tp, run.device, timeout=args.dist_timeout)
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())

@@ -98,6 +98,59 @@ def test_train_help_and_bad_choice_in_process(capsys):
     _assert_one_line_error(2, captured.out, captured.err, "python -m fp8engine.train", "'fp4'", "fp8")
 
 
+def test_train_help_shows_real_defaults(capsys):
+    """--help gives each flag's real default: per model where it depends on --model, none for on/off switches
+    (argparse would print "(default: None)" / "(default: True)" for them)."""
+    from fp8engine import train
+    from fp8engine.models import GPT_CONFIGS
+    from fp8engine.training.flags import MODEL_DEFAULTS
+
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse's line breaks undone
+    assert "(default: None)" not in text and "(default: True)" not in text and "(default: False)" not in text
+    parser = train.build_parser()
+    options = {action.option_strings[-1][2:]: " ".join(parser._get_formatter()._format_action(action).split())
+               for action in parser._actions}  # each flag's entry in that text
+    steps = ", ".join(f"{name} {s}" for name, (s, _, _) in MODEL_DEFAULTS.items())
+    assert f"(default per model: {steps})" in options["steps"]
+    batch = ", ".join(f"{name} {b}" for name, (_, b, _) in MODEL_DEFAULTS.items())
+    assert f"(default per model: {batch})" in options["batch-size"]
+    assert "tiny 0.003," in options["lr"]
+    context = ", ".join(f"{name} {c.max_seq_len}" for name, c in GPT_CONFIGS.items())
+    assert context in options["seq-len"]
+    assert "(default" not in options["no-cuda-graphs"] and "(default" not in options["compile"]
+    assert "(default: fp8)" in options["precision"] and "(default: 1337)" in options["seed"]
+
+
+def test_flush_denormals_keeps_the_users_setting(monkeypatch):
+    """fp8engine._cpu.flush_denormals: on by default inside the block and undone after it; FP8ENGINE_FLUSH_DENORMAL=0
+    (false, off, no) leaves the setting alone; a process that already flushes keeps flushing after the block."""
+    import torch
+
+    from fp8engine._cpu import FLUSH_DENORMAL_ENV, denormals_flushed, flush_denormals
+
+    assert not denormals_flushed()  # torch's default
+    monkeypatch.delenv(FLUSH_DENORMAL_ENV, raising=False)
+    with flush_denormals() as flushed:
+        assert flushed and denormals_flushed()
+        assert torch.tensor(1e-39).mul(1.0).item() == 0.0  # a denormal float32 reads as 0
+    assert not denormals_flushed() and torch.tensor(1e-39).mul(1.0).item() != 0.0
+    for off in ("0", "false", "OFF", " no "):
+        monkeypatch.setenv(FLUSH_DENORMAL_ENV, off)
+        with flush_denormals() as flushed:
+            assert not flushed and not denormals_flushed()
+    torch.set_flush_denormal(True)  # the user's own setting
+    try:
+        for value in ("1", "0"):
+            monkeypatch.setenv(FLUSH_DENORMAL_ENV, value)
+            with flush_denormals() as flushed:
+                assert flushed
+            assert denormals_flushed()
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def _bench_module(name):
     if name == "jax":
         pytest.importorskip("jax")

@@ -178,6 +178,44 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     assert not out.exists()  # nothing written to --out
 
 
+def test_seq_len_beyond_the_models_context_warns_and_trains(text_file, capsys):
+    """Positions are rotary, so a --seq-len longer than the named model's context builds the model for it and
+    trains; the command says so in one line on stderr (flags.seq_len_warning), and says nothing at the context."""
+    common = ["--data", str(text_file), "--steps", "1", "--batch-size", "2", "--eval-iters", "1", "--sample-tokens",
+              "0", "--precision", "fp32"]
+    assert main(common + ["--seq-len", "160"]) == 0
+    stdout, stderr = capsys.readouterr()
+    warnings = [line for line in stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("fp8engine.train: warning: --seq-len 160 is longer than "
+                                                         "the tiny model's context (128)")
+    assert "--seq-len 128 or less" in warnings[0]
+    assert "x 160 tokens" in stdout  # the run used the longer context
+    assert main(common + ["--seq-len", "128"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------- CPU settings
+
+def test_denormal_flush_keeps_the_losses_and_can_be_turned_off(tmp_path, text_file, monkeypatch):
+    """The command flushes CPU denormals to zero (fp8engine/_cpu.py: about half the default run's time on the 2-core
+    CI machine) and logs bit-identical losses with and without it; FP8ENGINE_FLUSH_DENORMAL=0 turns it off. Fresh
+    interpreters: the setting reaches torch's thread pool only when made before the pool starts."""
+    args = ["--data", text_file, "--steps", "8", "--eval-interval", "4", *QUICK]
+    runs = {}
+    for value in (None, "0"):
+        if value is None:
+            monkeypatch.delenv("FP8ENGINE_FLUSH_DENORMAL", raising=False)
+        else:
+            monkeypatch.setenv("FP8ENGINE_FLUSH_DENORMAL", value)
+        out = tmp_path / f"flush_{value}"
+        rc, stdout, stderr = run_train(*args, "--out", out)
+        assert rc == 0, stderr
+        runs[value] = stdout, _losses(out)
+    assert "CPU denormals: flushed to zero" in runs[None][0]
+    assert "CPU denormals: kept" in runs["0"][0]
+    assert len(runs[None][1]) == 8 and runs[None][1] == runs["0"][1]  # exact float equality, evaluations included
+
+
 # --------------------------------------------------------------------------------------------- multi-process
 
 def _torchrun(nproc, *args):

@@ -5,33 +5,29 @@ QKV projection: a :class:`LayerNormLinear` (column-parallel under TP). Its fused
 ``[G, H/G + 2, d, h]`` rows = for every group its ``H/G`` query heads, then its key head, then its value head
 (Megatron-LM / TransformerEngine's interleaved layout), so a contiguous slice of rows is a whole set of groups
 and tensor parallelism splits it without reordering. Attention itself runs in the activations' precision
-(bf16/fp32) through ``torch.nn.functional.scaled_dot_product_attention``. The output projection is row-parallel
-under TP. Under ``Float8BlockScaling`` both projections are block-scaled (norm, QKV split and its gradient assembly
-in high precision: :class:`LayerNormLinear`); ``hidden_size`` and the per-rank QKV width must be multiples of 128.
+(bf16/fp32) through :func:`fp8engine.modules.dot_product_attention.attention` (PyTorch's
+``scaled_dot_product_attention``; the mask types and their conventions are that module's). The output projection is
+a row-parallel :class:`Linear` under TP. Under ``Float8BlockScaling`` both projections are block-scaled (norm, QKV
+split and its gradient assembly in high precision: :class:`LayerNormLinear`); ``hidden_size`` and the per-rank QKV
+width must be multiples of 128.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.fp8.autocast import get_fp8_context
-from fp8engine.modules.layernorm_linear import (LayerNormLinear, check_choice, check_divisible, exit_row_parallel,
-                                                master_weight, no_init, shard, tp_comm, tp_size_rank)
+from fp8engine.modules.dot_product_attention import ATTN_MASK_TYPES, attention, attn_mask_type_of
+from fp8engine.modules.layernorm_linear import (LayerNormLinear, check_choice, check_divisible, master_weight,
+                                                no_init, shard, tp_size_rank)
 from fp8engine.modules.linear import Linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS
 from fp8engine.ops.rotary import rope_cos_sin, rope_fwd
 
 __all__ = ["MultiheadAttention", "RotaryEmbedding", "apply_rotary_pos_emb", "AttentionConfig", "ATTN_MASK_TYPES"]
-
-#: ``"causal"``: token i attends to tokens <= i. ``"padding"``: a boolean mask ``[b, 1, 1, s]`` is passed to
-#: forward, True = masked out (TransformerEngine's convention). ``"no_mask"``: full attention.
-ATTN_MASK_TYPES = ("causal", "padding", "no_mask")
-
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding angles (RoFormer, Su et al. 2021; TransformerEngine's ``RotaryPositionEmbedding``).
@@ -67,7 +63,8 @@ class AttentionConfig:
     """Head layout of one attention layer, validated (``ValueError`` naming what to change).
 
     ``num_gqa_groups`` (``G``) key/value heads, each shared by ``H/G`` query heads; ``tp_size`` ranks each hold
-    ``H/tp`` query heads and ``G/tp`` groups.
+    ``H/tp`` query heads and ``G/tp`` groups. ``kv_channels``: the head dim ``d`` (None: ``hidden_size / H``, which
+    ``H`` must then divide).
     """
 
     hidden_size: int
@@ -75,11 +72,15 @@ class AttentionConfig:
     num_gqa_groups: int
     attn_mask_type: str = "causal"
     tp_size: int = 1
+    kv_channels: Optional[int] = None
 
     def __post_init__(self) -> None:
         h, n, g = self.hidden_size, self.num_attention_heads, self.num_gqa_groups
-        if n <= 0 or h % n:
-            raise ValueError(f"num_attention_heads={n} must be positive and divide hidden_size={h}")
+        if self.kv_channels is None and (n <= 0 or h % n):
+            raise ValueError(f"num_attention_heads={n} must be positive and divide hidden_size={h} "
+                             "(or give kv_channels, the head dim)")
+        if self.kv_channels is not None and (n <= 0 or self.kv_channels <= 0):
+            raise ValueError(f"num_attention_heads={n} and kv_channels={self.kv_channels} must be positive")
         if g <= 0 or n % g:
             raise ValueError(f"num_gqa_groups={g} must be positive and divide num_attention_heads={n}")
         check_choice("attn_mask_type", self.attn_mask_type, ATTN_MASK_TYPES, "MultiheadAttention")
@@ -88,7 +89,7 @@ class AttentionConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.hidden_size // self.num_attention_heads if self.kv_channels is None else self.kv_channels
 
     @property
     def local_heads(self) -> int:
@@ -107,37 +108,25 @@ def _unfused_row_order(cfg: AttentionConfig) -> torch.Tensor:
     return torch.cat([idx[:, :q_per].reshape(-1), idx[:, q_per].reshape(-1), idx[:, q_per + 1].reshape(-1)])
 
 
-class _RowParallelLinear(Linear):
-    """``Linear`` with input features split over ``tp_group``: partial GEMM, then all-reduce (or reduce-scatter
-    along the sequence), then the bias. Under per-tensor FP8 the reduction runs inside the linear op (its
-    :class:`~fp8engine.parallel.linear_ops.TPLinearComm`); otherwise through the region mappings."""
-
-    def __init__(self, in_local: int, out_features: int, bias: bool, tp_group, sequence_parallel: bool, **kw):
-        super().__init__(in_local, out_features, bias=False, **kw)
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self._comm = tp_comm(tp_group, "row", sequence_parallel)
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=self.weight.device))
-            self.bias.sequence_parallel = sequence_parallel
-
-    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        quantizers = self.fp8_begin()
-        if quantizers is not None and not quantizers[0].input.is_block:
-            return self._linear(x, self.bias, quantizers, is_first_microbatch, comm=self._comm)
-        y = self._linear(x, None, quantizers, is_first_microbatch)
-        return exit_row_parallel(y, self.bias, self.tp_group, self.sequence_parallel)
-
-
 class MultiheadAttention(nn.Module):
     """Self-attention: (norm +) QKV projection, rotary embedding, scaled dot-product attention, output projection.
 
     Args:
-        hidden_size: ``h``; num_attention_heads: ``H`` (divides h; head dim ``d = h/H``).
+        hidden_size: ``h``; num_attention_heads: ``H``.
         num_gqa_groups: ``G`` key/value heads (grouped-query attention; default ``H`` = multi-head attention).
-        attn_mask_type: ``"causal"``, ``"padding"`` (forward then needs ``attention_mask``: bool ``[b, 1, 1, s]``,
-            True = masked out; a query row whose keys are all masked gives NaN) or ``"no_mask"``.
+        kv_channels: head dim ``d`` (TransformerEngine's name); default ``h / H`` (``H`` must then divide ``h``).
+            The QKV projection has ``(H + 2G) d`` outputs and the output projection ``H d`` inputs.
+        attn_mask_type: the default mask type, one of
+            :data:`~fp8engine.modules.dot_product_attention.ATTN_MASK_TYPES` (``"causal"``, ``"padding"``,
+            ``"no_mask"``, ``"padding_causal"``, ``"arbitrary"``; conventions in
+            :mod:`fp8engine.modules.dot_product_attention`: a padding mask is bool ``[b, 1, 1, s]``, True = masked
+            out, and the attention output at padded positions is zero); forward may override it.
         attention_dropout: dropout on the attention probabilities (training mode only).
         layernorm_epsilon, normalization, zero_centered_gamma: the input norm (``input_layernorm=True``).
+        return_layernorm_output: forward also returns the input norm's output (TE's argument; needs the input
+            norm).
+        layer_number: accepted for TE compatibility and stored; it changes nothing (see
+            :class:`~fp8engine.modules.dot_product_attention.DotProductAttention`).
         fuse_qkv_params: one QKV weight ``layernorm_qkv.weight`` (grouped layout, see the module docstring);
             False: ``query_weight``/``key_weight``/``value_weight``. The same seed gives the same layer either way.
         bias, params_dtype, device, init_method (QKV), output_layer_init_method (proj), fuse_wgrad_accumulation:
@@ -145,8 +134,8 @@ class MultiheadAttention(nn.Module):
         tp_group, set_parallel_mode: tensor parallel over ``tp_group`` (``H/tp`` heads and ``G/tp`` groups per
             rank). sequence_parallel: input/output are sequence shards ``[s/tp, b, h]``.
     Raises:
-        ValueError: heads not dividing hidden, groups not dividing heads, tp size not dividing heads/groups, an
-            unknown mask type or normalization.
+        ValueError: heads not dividing hidden (without kv_channels), groups not dividing heads, tp size not dividing
+            heads/groups, an unknown mask type or normalization, return_layernorm_output without an input norm.
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, num_gqa_groups: Optional[int] = None,
@@ -155,109 +144,115 @@ class MultiheadAttention(nn.Module):
                  bias: bool = True, params_dtype=None, device=None, init_method: Optional[Callable] = None,
                  output_layer_init_method: Optional[Callable] = None, fuse_wgrad_accumulation: bool = False,
                  tp_group=None, sequence_parallel: bool = False, set_parallel_mode: bool = False,
-                 zero_centered_gamma: bool = False, rng_tracker=None):
+                 zero_centered_gamma: bool = False, rng_tracker=None, kv_channels: Optional[int] = None,
+                 return_layernorm_output: bool = False, layer_number: Optional[int] = None):
         super().__init__()
-        check_choice("normalization", normalization, NORMALIZATIONS, type(self).__name__)
-        self.rng_tracker = rng_tracker
+        name = type(self).__name__
+        check_choice("normalization", normalization, NORMALIZATIONS, name)
+        if return_layernorm_output and not input_layernorm:
+            raise ValueError(f"{name}: return_layernorm_output=True needs input_layernorm=True")
+        self.rng_tracker, self.layer_number = rng_tracker, layer_number
         tp_size, rank = tp_size_rank(tp_group if set_parallel_mode else None)
         cfg = AttentionConfig(hidden_size, num_attention_heads, num_gqa_groups or num_attention_heads,
-                              attn_mask_type, tp_size)
+                              attn_mask_type_of(attn_mask_type, name), tp_size, kv_channels)
         self.config, self.attention_dropout, self.fuse_qkv_params = cfg, attention_dropout, fuse_qkv_params
         group = tp_group if tp_size > 1 else None
         d, n, g = cfg.head_dim, cfg.num_attention_heads, cfg.num_gqa_groups
         split = None if fuse_qkv_params else {"query_": n * d, "key_": g * d, "value_": g * d}
         qkv = LayerNormLinear(hidden_size, (n + 2 * g) * d, bias=bias,
                               normalization=normalization if input_layernorm else None, eps=layernorm_epsilon,
+                              return_layernorm_output=return_layernorm_output,
                               zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device,
                               init_method=init_method, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                               tp_group=group, parallel_mode="column" if group is not None else None,
                               sequence_parallel=sequence_parallel, parameters_split=split,
                               row_order=None if fuse_qkv_params else _unfused_row_order(cfg))
-        self._input_layernorm = input_layernorm
+        self._input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
         if input_layernorm:
             self.layernorm_qkv = qkv
         else:
             self.qkv = qkv
         w, b = master_weight(hidden_size, n * d, bias, output_layer_init_method or init_method)
-        common = dict(params_dtype=params_dtype, device=device, init_method=no_init,
-                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-        if group is None:
-            self.proj = Linear(n * d, hidden_size, bias=bias, **common)
-        else:
-            self.proj = _RowParallelLinear(cfg.local_heads * d, hidden_size, bias, group,
-                                           sequence_parallel, **common)
+        # row parallel under TP: [h, H d / tp] per rank, the bias added after the reduction (Linear's parallel_mode)
+        self.proj = Linear(n * d, hidden_size, bias=bias, params_dtype=params_dtype, device=device, init_method=no_init,
+                           fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                           parallel_mode="row" if group is not None else None, tp_group=group,
+                           sequence_parallel=sequence_parallel)
         with torch.no_grad():
             self.proj.weight.copy_(shard(w, 1, [n * d], rank, tp_size))
             if bias:
                 self.proj.bias.copy_(b)
-        self._is_causal = attn_mask_type == "causal"
-        self._padding = attn_mask_type == "padding"
 
     def _project(self, hidden_states: torch.Tensor, **kw):
-        """The QKV projection's output and the tensor its input norm normalised (``hidden_states`` as the norm saw
-        it: a gradient into it is added inside that norm's backward; without an input norm, ``hidden_states``)."""
-        if self._input_layernorm:
+        """``(qkv, ln, s)``: the QKV projection's output, the input norm's output (None unless
+        ``return_layernorm_output``) and the tensor the input norm normalised (``hidden_states`` as the norm saw it:
+        a gradient into it is added inside that norm's backward; without an input norm, ``hidden_states``)."""
+        if not self._input_layernorm:
+            return self.qkv(hidden_states, **kw), None, hidden_states
+        if self.return_layernorm_output:
             return self.layernorm_qkv(hidden_states, return_norm_input=True, **kw)
-        return self.qkv(hidden_states, **kw), hidden_states
+        y, s = self.layernorm_qkv(hidden_states, return_norm_input=True, **kw)
+        return y, None, s
 
     def _qkv(self, hidden_states: torch.Tensor, is_first_microbatch: Optional[bool],
              rope: Optional[torch.Tensor] = None):
-        """``q [s, b, H_local, d]``, ``k, v [s, b, G_local, d]`` (views, no copy), and the normalised input (see
-        :meth:`_project`). ``rope``: rotary angles, applied inside the fused QKV op (only with ``fuse_qkv_params``;
-        q and k are then new tensors)."""
+        """``q [s, b, H_local, d]``, ``k, v [s, b, G_local, d]`` (views, no copy), then the input norm's output and
+        the normalised input (see :meth:`_project`). ``rope``: rotary angles, applied inside the fused QKV op (only
+        with ``fuse_qkv_params``; q and k are then new tensors)."""
         cfg = self.config
         hl, gl, d = cfg.local_heads, cfg.local_groups, cfg.head_dim
         if self.fuse_qkv_params:
-            (q, k, v), s_in = self._project(hidden_states, is_first_microbatch=is_first_microbatch,
-                                            qkv_split=(gl, hl // gl, d), qkv_rope=rope)
-            return q.reshape(*q.shape[:2], hl, d), k, v, s_in
-        mixed, s_in = self._project(hidden_states, is_first_microbatch=is_first_microbatch)
+            (q, k, v), ln, s_in = self._project(hidden_states, is_first_microbatch=is_first_microbatch,
+                                                qkv_split=(gl, hl // gl, d), qkv_rope=rope)
+            return q.reshape(*q.shape[:2], hl, d), k, v, ln, s_in
+        mixed, ln, s_in = self._project(hidden_states, is_first_microbatch=is_first_microbatch)
         s, b = mixed.shape[:2]
         q, k, v = mixed.split([hl * d, gl * d, gl * d], dim=-1)
-        return q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d), s_in
+        return q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d), ln, s_in
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None,
-                is_first_microbatch: Optional[bool] = None, *, return_norm_input: bool = False):
+                is_first_microbatch: Optional[bool] = None, *, attn_mask_type: Optional[str] = None,
+                checkpoint_core_attention: bool = False, return_norm_input: bool = False):
         """``hidden_states``: ``[s, b, h]`` (``[s/tp, b, h]`` sequence parallel) -> same shape.
 
-        ``attention_mask``: bool ``[b, 1, 1, s]``, True = masked out; only with ``attn_mask_type="padding"``.
+        ``attention_mask``: bool, True = masked out (``[b, 1, 1, s]`` for the padding types); only with the padding
+        types and ``"arbitrary"``. ``attn_mask_type``: this call's mask type (default: the constructor's).
         ``rotary_pos_emb``: angles ``[s, 1, 1, r]`` (from :class:`RotaryEmbedding`), applied to q and k.
         ``is_first_microbatch``: FP8 weight caching (see :class:`fp8engine.modules.base.FP8WeightCache`).
-        ``return_norm_input``: return ``(out, hidden_states')`` where ``hidden_states'`` is ``hidden_states`` as
-        seen by the input norm: use it for the residual connection and its gradient is added inside that norm's
-        backward (no separate gradient add; TransformerLayer does this).
+        ``checkpoint_core_attention``: recompute the attention (not the projections) in backward.
+        Returns ``out``, then the input norm's output with ``return_layernorm_output``, then, with
+        ``return_norm_input``, ``hidden_states`` as seen by the input norm: use it for the residual connection and
+        its gradient is added inside that norm's backward (no separate gradient add; TransformerLayer does this).
         """
-        if self._padding:
-            if attention_mask is None:
-                raise ValueError("attn_mask_type='padding' needs attention_mask (bool [b, 1, 1, s], True = masked)")
-            attn_mask = ~attention_mask
-        elif attention_mask is not None:
-            raise ValueError("attention_mask is only used with attn_mask_type='padding'; pass None or change "
-                             "attn_mask_type")
-        else:
-            attn_mask = None
+        mask_type = (self.config.attn_mask_type if attn_mask_type is None
+                     else attn_mask_type_of(attn_mask_type, "MultiheadAttention"))
         # rotary inside the fused QKV op (one kernel from the projection output, its gradient in the QKV-gradient
         # cast; under torch.compile the same kernels as opaque ops in FP8, fp8engine.ops.kernel_ops); a compiled
         # high-precision model leaves the plain-PyTorch rotation to Inductor, which fuses it with its neighbours
         in_op = (rotary_pos_emb is not None and self.fuse_qkv_params
                  and (not torch.compiler.is_compiling() or get_fp8_context() is not None))
-        q, k, v, s_in = self._qkv(hidden_states, is_first_microbatch, rotary_pos_emb if in_op else None)
+        q, k, v, ln, s_in = self._qkv(hidden_states, is_first_microbatch, rotary_pos_emb if in_op else None)
         if rotary_pos_emb is not None and not in_op:
             q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
         cfg = self.config
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        fork = self.rng_tracker.fork() if self.rng_tracker is not None and dropout_p > 0 else contextlib.nullcontext()
-        with fork:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                 is_causal=self._is_causal,
-                                                 enable_gqa=cfg.local_groups != cfg.local_heads)
+        args = (mask_type, attention_mask, self.attention_dropout if self.training else 0.0, None, self.rng_tracker)
+        if checkpoint_core_attention:
+            from fp8engine.parallel.random import checkpoint
+
+            ctx = checkpoint(lambda q_, k_, v_: attention(q_, k_, v_, *args), False, q, k, v,
+                             rng_tracker=self.rng_tracker)
+        else:
+            ctx = attention(q, k, v, *args)
         s, b = ctx.shape[2], ctx.shape[0]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, cfg.local_heads * cfg.head_dim)
         out = self.proj(ctx, is_first_microbatch=is_first_microbatch)
-        return (out, s_in) if return_norm_input else out
+        result = (out, ln) if self.return_layernorm_output else (out,)
+        if return_norm_input:
+            result += (s_in,)
+        return result if len(result) > 1 else out
 
     def extra_repr(self) -> str:
         c = self.config

@@ -13,7 +13,21 @@ from fp8engine.fp8.state import ScalingState
 from fp8engine.ops.block_linear import check_block_dims
 from fp8engine.ops.gemm import check_gemm_dims
 
-__all__ = ["FP8Module", "FP8WeightCache"]
+__all__ = ["FP8Module", "FP8WeightCache", "FP8_INPUT_DTYPES", "check_fp8_input"]
+
+
+#: Input dtypes of the FP8 GEMMs (any floating dtype when ``torch.autocast`` casts it first: :func:`fp8engine.modules.linear.autocast_input`).
+FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_fp8_input(x: torch.Tensor, owner: str) -> None:
+    """``TypeError`` unless ``x`` may enter an FP8 GEMM: its dtype one of :data:`FP8_INPUT_DTYPES`, or floating
+    under ``torch.autocast`` (which casts it). Callers test ``x.dtype not in FP8_INPUT_DTYPES`` first (the hot path
+    pays one tuple lookup)."""
+    if x.dtype in FP8_INPUT_DTYPES or (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+        return
+    raise TypeError(f"{owner}: the FP8 GEMM takes float32, bfloat16 or float16 input, got {x.dtype}; cast the input "
+                    "(e.g. x.float()) -- an integer tensor would come back as integer garbage")
 
 
 class FP8WeightCache:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.fp8.float8_tensor import use_kernels
-from fp8engine.modules.base import FP8Module
+from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
 from fp8engine.ops.block_linear import block_fp8_linear, block_fp8_linear_qkv
 from fp8engine.ops.block_norm import block_norm_cast
 from fp8engine.ops.init import init_linear_params
@@ -274,6 +274,8 @@ class LayerNormLinear(FP8Module):
         if qkv_rope is not None and qkv_split is None:
             raise ValueError("LayerNormLinear: qkv_rope (rotary angles) is only taken with qkv_split")
         quantizers = self.fp8_begin()
+        if quantizers is not None and x.dtype not in FP8_INPUT_DTYPES:
+            check_fp8_input(x, type(self).__name__)
         q = None if quantizers is None else quantizers[0]
         weight, bias = self._weight_bias()
         if self.normalization is None:

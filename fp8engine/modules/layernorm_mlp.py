@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.modules.base import FP8Module
+from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
                                                 exit_row_parallel, input_norm, master_weight, new_param,
                                                 norm_module_outputs, shard, tp_comm, tp_size_rank)
@@ -111,6 +111,8 @@ class LayerNormMLP(FP8Module):
         by the norm kernel); ``return_norm_input`` appends the normalised tensor to the outputs, and its gradient
         is added inside the norm's backward."""
         quantizers = self.fp8_begin()
+        if quantizers is not None and x.dtype not in FP8_INPUT_DTYPES:
+            check_fp8_input(x, type(self).__name__)
         if quantizers is not None and not quantizers[0].input.is_block:  # the op communicates
             y, ln, s = self._fp8_forward(x, quantizers, is_first_microbatch, residual)
             return norm_module_outputs(self, y, ln, s, return_norm_input)

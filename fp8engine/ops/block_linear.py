@@ -31,6 +31,7 @@ from fp8engine.fp8.block_tensor import TILE_1x128, Float8BlockTensor
 from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad, qkv_grad_1x128
+from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.block_gemm import block_gemm
 from fp8engine.ops.linear import main_grad_of
 from fp8engine.ops.qkv import split_rotate
@@ -101,7 +102,8 @@ class BlockLinearFunction(torch.autograd.Function):
         grad_q, pad, weight = ctx.cfg[0], ctx.cfg[5], ctx.saved_tensors[0]
         need_db = ctx.needs_input_grad[2]
         if qx_t is None and qw_t is None:  # only the bias needs a gradient
-            ctx.saved = None
+            if not backward_keeps_graph("a block-scaled FP8 linear"):
+                ctx.saved = None
             return None, None, (dy2.sum(0, dtype=torch.float32).to(weight.dtype) if need_db else None), \
                 None, None, None, None, None
         if need_db:  # the bias gradient from the cast's pass (padding rows are zeros: they add nothing)
@@ -120,7 +122,8 @@ def block_linear_grads(ctx, qdy, qdy_t, dbias: Optional[torch.Tensor]) -> tuple:
     (weight,) = ctx.saved_tensors
     qx_t, qw_t = ctx.saved
     _, fuse_wgrad, use_hw, x_shape, x_dtype, pad = ctx.cfg
-    ctx.saved = None
+    if not backward_keeps_graph("a block-scaled FP8 linear"):  # (kept for another backward under retain_graph)
+        ctx.saved = None
     dx = dw = None
     if qw_t is not None:  # dgrad: [M, N] x [K, N] -> [M, K]
         dx = block_gemm(qdy, qw_t, x_dtype, use_hw=use_hw)
@@ -154,7 +157,8 @@ class BlockLinearQKV(torch.autograd.Function):
         qx_t, qw_t = ctx.saved
         grad_q = ctx.cfg[0]
         need_db, rope = ctx.needs_input_grad[2], ctx.rope
-        ctx.rope = None
+        if not backward_keeps_graph("the block-scaled FP8 QKV projection"):
+            ctx.rope = None
         kernels = use_kernels(dq) if grad_q.use_kernel is None else grad_q.use_kernel
         # (the kernel pads the token rows to a multiple of 128, as the forward padded x: the same row count)
         if (qx_t is not None or qw_t is not None) and dk is not None and dv is not None and dq is not None \

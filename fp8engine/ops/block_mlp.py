@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from fp8engine.fp8.block_tensor import TILE_1x128, Float8BlockTensor
 from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers
+from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.block_gemm import block_gemm
 from fp8engine.ops.block_linear import BLOCK_DTYPES, block_fp8_linear, check_x_q
 from fp8engine.ops.linear import main_grad_of
@@ -104,7 +105,8 @@ class _BlockMLP(torch.autograd.Function):
         w1, w2, h = ctx.saved_tensors
         qx_t, qw1_t, qa_t, qw2_t = ctx.saved
         grad_q1, grad_q2, kind, fuse, x_shape, pad = ctx.cfg
-        ctx.saved = ctx.cfg = None
+        if not backward_keeps_graph("the block-scaled FP8 MLP"):  # (kept for another backward under retain_graph)
+            ctx.saved = ctx.cfg = None
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         dy2 = dy.reshape(-1, dy.shape[-1])
         if dy2.dtype not in BLOCK_DTYPES:

@@ -42,6 +42,14 @@ Python between them (``tests/ops/test_replay.py``). Not replayed: dropout, GQA (
 ``fuse_wgrad_accumulation``, FP8 statistics recording. ``FP8ENGINE_REPLAY=0`` (read at import) or ``REPLAY = False``
 turns it off.
 
+Autograd: the node obeys the rules of PyTorch's own nodes. ``retain_graph=True`` (``backward`` or
+``torch.autograd.grad``) keeps everything the backward reads, so another backward gives the same gradients (and
+records the same amaxes: delayed scaling max-accumulates them); without it the backward drops each saved tensor once
+used (as autograd frees its saved tensors) and a second backward raises PyTorch's "Trying to backward through the
+graph a second time" -- on the replayed step too. ``create_graph=True`` (a double backward) raises a RuntimeError
+(:func:`backward_keeps_graph`): the FP8 GEMMs and casts record no graph, so the gradients could not be differentiated
+again.
+
 What it does not cover (``TransformerLayer._fused_plan`` returns None, and the layer runs its composed sublayers):
 block scaling, tensor / sequence parallelism, ``torch.compile`` tracing, a padding mask, an input whose dtype is not
 the ``torch.autocast`` dtype, separate q / k / v weights or a layer without input norm, ``return_layernorm_output``,
@@ -58,6 +66,7 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.ops import gemm as gemm_path
 from fp8engine.ops import replay
+from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.gemm import fp8_fprop
 from fp8engine.ops.linear import dgrad_wgrad
 from fp8engine.ops.mlp import act_bwd_cast, fc1_fprop_act
@@ -66,6 +75,8 @@ from fp8engine.ops.qkv import qkv_grad_fp8, split_rotate
 from fp8engine.ops.sdpa import sdpa_bwd, sdpa_fwd
 
 __all__ = ["fused_layer", "LayerPlan"]
+
+_STEP = "the fused FP8 TransformerLayer step"  # (how errors name it)
 
 
 class LayerPlan:
@@ -92,14 +103,11 @@ class LayerPlan:
 
 #: ``FP8ENGINE_REPLAY=0`` turns the replay of recorded steps off (read at import).
 REPLAY = os.environ.get("FP8ENGINE_REPLAY", "1") != "0"
-#: Recordings started per configuration before it is given up (a recorded forward whose backward never runs,
-#: e.g. a loss not back-propagated, leaves its configuration unrecorded).
-_MAX_RECORDINGS = 3
-#: Configurations kept; more and the cache starts over.
-_MAX_PROGRAMS = 256
-#: replay key -> :class:`~fp8engine.ops.replay.Pair` (replayed), the number of recordings started, or the reason
-#: the configuration is not replayed (str).
-_PROGRAMS: dict = {}
+#: replay key -> :class:`~fp8engine.ops.replay.Pair` (replayed; a ``Checked`` under ``FP8ENGINE_REPLAY=check``),
+#: the number of recordings started, or the reason the configuration is not replayed (str). Process-wide, bounded
+#: (least recently used out first) and with a budget of recordings at a configuration's first call:
+#: :class:`~fp8engine.ops.replay.ProgramCache`.
+_PROGRAMS = replay.ProgramCache()
 
 
 class _FP8TransformerLayer(torch.autograd.Function):
@@ -116,17 +124,19 @@ class _FP8TransformerLayer(torch.autograd.Function):
             return _forward(ctx, x, params, p)
         inputs, key = _step_inputs(x, params, p)
         key = (p.replay, key, ctx.needs_input_grad)
-        state = _PROGRAMS.get(key, 0)
+        state = _PROGRAMS.get(key)
         if type(state) is replay.Pair:
+            _PROGRAMS.move_to_end(key)  # (least recently used out first)
             (out,), saved = state.forward(inputs)
             ctx.save_for_backward(x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2)  # autograd's in-place checks, as below
             ctx.replayed = (state, saved)
             return out
-        if type(state) is not int or state >= _MAX_RECORDINGS:
+        if type(state) is replay.Checked:  # FP8ENGINE_REPLAY=check: the replay and this Python, bits compared
+            (out,), ctx.replayed = state.forward(inputs, lambda: (_forward(ctx, x, params, p),),
+                                                 lambda dout: _backward(ctx, dout, backward_keeps_graph(_STEP)))
+            return out
+        if not _PROGRAMS.start(key):  # refused, given up, or a new configuration past the cache's miss budget
             return _forward(ctx, x, params, p)
-        if len(_PROGRAMS) >= _MAX_PROGRAMS:
-            _PROGRAMS.clear()
-        _PROGRAMS[key] = state + 1
         rec = replay.Recorder(inputs)
         with rec:
             out = _forward(ctx, x, params, p)
@@ -138,23 +148,28 @@ class _FP8TransformerLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        keep = backward_keeps_graph(_STEP)
         replayed, recording = getattr(ctx, "replayed", None), getattr(ctx, "recording", None)
         if (replayed is not None or recording is not None) and (
                 not dout.is_contiguous() or (dout.is_cuda and dout.data_ptr() & 255)):
             # what a replay takes is what was recorded: contiguous, 256-byte aligned on a GPU (as a fresh tensor)
             dout = dout.clone(memory_format=torch.contiguous_format)
         if replayed is not None:
-            ctx.saved_tensors  # noqa: B018 -- autograd's check that no saved input was modified in place
+            # autograd's check that no saved input was modified in place; after a backward without retain_graph,
+            # PyTorch's "backward through the graph a second time" error
+            ctx.saved_tensors  # noqa: B018
             program, saved = replayed
+            if keep:  # (the program empties the list it takes: it releases each saved tensor after its last use)
+                return program.backward((dout,), list(saved))
             ctx.replayed = None
             return program.backward((dout,), saved)
         if recording is None:
-            return _backward(ctx, dout)
+            return _backward(ctx, dout, keep)
         key, frec, fout = recording
-        ctx.recording = None
+        ctx.recording = None  # (a retained graph's next backward runs the Python below on the state it kept)
         brec = replay.Recorder([dout], outer=frec)
         with brec:
-            grads = _backward(ctx, dout)
+            grads = _backward(ctx, dout, keep)
         try:
             _PROGRAMS[key] = replay.Pair(frec, fout, brec, brec.template(grads))
         except replay.RecordAbort as err:
@@ -234,7 +249,7 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
     # SDPA recorded as a node
     direct = sdpa_fwd(*qkv_a, p.attn["is_causal"], p.attn["dropout_p"], p.attn["enable_gqa"], grad)
     if direct is not None:
-        o, attn_node = direct[0], (sdpa_bwd, direct[1])
+        o, attn_node = direct[0], (_sdpa_bwd, direct[1])
     else:
         with p.rng() if p.rng is not None else contextlib.nullcontext():
             o, node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn), qkv_a,
@@ -274,8 +289,10 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
     return out
 
 
-def _backward(ctx, dout) -> tuple:
-    """The layer step's backward (module docstring): the gradients of ``x``, the 12 parameters and the plan."""
+def _backward(ctx, dout, keep: bool) -> tuple:
+    """The layer step's backward (module docstring): the gradients of ``x``, the 12 parameters and the plan.
+    ``keep`` (:func:`backward_keeps_graph`): leave the saved state on ``ctx`` for another backward; else drop it as
+    it is used."""
     x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2 = ctx.saved_tensors
     p = ctx.p
     ln1_t, wq_t, ctx_t, wp_t, ln2_t, w1_t, a_t, w2_t = ctx.t
@@ -285,11 +302,12 @@ def _backward(ctx, dout) -> tuple:
     need = ctx.needs_input_grad
     fuse = p.fuse_wgrad
     a_drop, m_drop = ctx.drop
-    ctx.t = ctx.attn = ctx.hp = ctx.p = ctx.drop = None
+    if not keep:
+        ctx.t = ctx.attn = ctx.hp = ctx.p = ctx.drop = None
     s, b, h = dout.shape
     dout = dout.contiguous()
     # fc2, activation, fc1 (the MLP op's backward), behind the hidden dropout of the MLP branch
-    dm = _dropout_bwd(m_drop, dout)
+    dm = _dropout_bwd(m_drop, dout, keep)
     dy_8, db2 = p.fc2.grad_output.quantize_dbias(dm.view(s * b, h), transpose=True, dbias=has_b2 and need[12])
     del dm, m_drop
     da, dw2 = dgrad_wgrad(dy_8, w2_t, a_t, w2, fuse)
@@ -305,7 +323,7 @@ def _backward(ctx, dout) -> tuple:
                                    zero_centered_gamma=zc2, has_bias=has_ln2b, dresidual=dout)
     del dln2, s2, dout
     # output projection, behind the hidden dropout of the attention branch
-    da = _dropout_bwd(a_drop, ds2)
+    da = _dropout_bwd(a_drop, ds2, keep)
     dp_8, dbp = p.proj.grad_output.quantize_dbias(da.reshape(s * b, h), transpose=True,
                                                   dbias=has_bp and need[6])
     del da, a_drop
@@ -315,7 +333,7 @@ def _backward(ctx, dout) -> tuple:
     g, hpg, d = p.split
     do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
     attn_bwd, node = attn_node
-    dq, dk, dv = (t.permute(2, 0, 1, 3) for t in attn_bwd(node, do))
+    dq, dk, dv = (t.permute(2, 0, 1, 3) for t in attn_bwd(node, do, keep))
     del do, dattn, attn_node
     dqkv_8, dbqkv = qkv_grad_fp8(dq.reshape(s, b, g, hpg, d), dk, dv, p.qkv.grad_output, hpg, transpose=True,
                                  dbias=has_bqkv and need[4], rope=None if cos is None else (cos, sin))
@@ -344,10 +362,11 @@ def _node_fwd(fn, inputs: list, grad: bool):
     return out.detach(), (out, leaves)
 
 
-def _node_bwd(node, grad: torch.Tensor) -> tuple:
-    """The gradients of a :func:`_node_fwd` node's inputs given its output's ``grad``."""
+def _node_bwd(node, grad: torch.Tensor, keep: bool) -> tuple:
+    """The gradients of a :func:`_node_fwd` node's inputs given its output's ``grad`` (``keep``: its graph kept for
+    another backward)."""
     out, leaves = node
-    return torch.autograd.grad(out, leaves, grad)
+    return torch.autograd.grad(out, leaves, grad, retain_graph=keep)
 
 
 def _dropout_fwd(t: torch.Tensor, prob: float, grad: bool):
@@ -358,11 +377,20 @@ def _dropout_fwd(t: torch.Tensor, prob: float, grad: bool):
     return _node_fwd(lambda leaf: F.dropout(leaf, prob, training=True), [t], grad)
 
 
-def _dropout_bwd(node, grad: torch.Tensor) -> torch.Tensor:
+def _dropout_bwd(node, grad: torch.Tensor, keep: bool) -> torch.Tensor:
     """The gradient through :func:`_dropout_fwd` (``node`` None: no dropout, ``grad`` itself)."""
-    return grad if node is None else _node_bwd(node, grad)[0]
+    return grad if node is None else _node_bwd(node, grad, keep)[0]
 
 
+def _sdpa_bwd(saved: tuple, do: torch.Tensor, keep: bool) -> tuple:
+    """:func:`~fp8engine.ops.sdpa.sdpa_bwd` (reads its saved tensors, frees nothing) as an attention backward
+    of :func:`_backward` (the signature of :func:`_node_bwd`)."""
+    return sdpa_bwd(saved, do)
+
+
+#: The autograd engine's ``retain_graph`` for the backward running now (the graph task's ``keep_graph``): PyTorch's
+#: compiled autograd functions read the same flag to decide whether their saved tensors are used once
+#: (``torch/_functorch/_aot_autograd/runtime_wrappers.py``).
 def fused_layer(x: torch.Tensor, params: tuple, plan: LayerPlan) -> torch.Tensor:
     """One FP8 TransformerLayer step (module docstring) as one autograd node.
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
+from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.comm import LinearComm
 from fp8engine.ops.gemm import fp8_fprop, fp8_mm, fp8_mm_accumulate
 from fp8engine.ops.gemm_ops import compiled_gemm_ops, mm_accumulate_fp8
@@ -166,7 +167,8 @@ def linear_backward(ctx, dy_fp8: Float8Tensor, db: Optional[torch.Tensor]) -> tu
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.fuse_wgrad
     dx, dw = dgrad_wgrad(dy_fp8, ctx.w_t if need_dx else None, ctx.x_t if need_dw else None, weight,
                          ctx.fuse_wgrad, comm=ctx.comm, x_shard=ctx.x_shard if need_dw else None)
-    ctx.x_t = ctx.w_t = ctx.x_shard = None
+    if not backward_keeps_graph("an FP8 linear"):  # (kept for another backward under retain_graph)
+        ctx.x_t = ctx.w_t = ctx.x_shard = None
     if dx is not None:
         dx = dx.reshape(ctx.x_shape)
     if db is not None:

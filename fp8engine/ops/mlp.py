@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
+from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.gemm import fp8_fprop, fp8_gemm_bias_gelu
 from fp8engine.ops.gemm_ops import gemm_bias_gelu_fp8
 from fp8engine.ops.kernel_ops import (ACT_KINDS, act_bwd_dbias_amax, act_bwd_fp8, act_fwd_amax, act_fwd_fp8,
@@ -305,7 +306,8 @@ class _FP8MLP(torch.autograd.Function):
                 db1 = db1.to(w1.dtype)
         if db2 is not None:
             db2 = db2.to(w2.dtype)
-        ctx.x_t = ctx.w1_t = ctx.a_t = ctx.w2_t = ctx.x_shard = None
+        if not backward_keeps_graph("the FP8 MLP"):  # (kept for another backward under retain_graph)
+            ctx.x_t = ctx.w1_t = ctx.a_t = ctx.w2_t = ctx.x_shard = None
         return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None, None, None
 
 

@@ -27,6 +27,7 @@ from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
 from fp8engine.kernels.rotary import check_rope_table, rope_qk
+from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops import kernel_ops
 from fp8engine.ops.linear import _FP8Linear, linear_backward, linear_input
 from fp8engine.ops.rotary import qkv_views, rope_bwd, rope_cos_sin, rope_fwd, rotate_views, unrotate_grads
@@ -98,7 +99,8 @@ class _FP8LinearQKV(torch.autograd.Function):
         dy_fp8, db = qkv_grad_fp8(dq, dk, dv, ctx.grad_quantizer, ctx.hpg,
                                   transpose=ctx.needs_input_grad[1] or ctx.fuse_wgrad, dbias=ctx.needs_input_grad[2],
                                   rope=ctx.rope)
-        ctx.rope = None
+        if not backward_keeps_graph("the FP8 QKV projection"):
+            ctx.rope = None
         return (*linear_backward(ctx, dy_fp8, db), None, None, None, None)
 
 

@@ -16,9 +16,10 @@ How:
    cuBLASLt call (:mod:`fp8engine.kernels.cublaslt`), which report themselves to the recorder (the
    ``RECORDER`` context variable of ``kernels._common``). A tensor argument becomes a *slot*: one of the step's
    inputs, or the output of an earlier recorded op; every other argument is kept as a constant (shapes, dtypes,
-   scalars, the compiled kernel). Calls that return no tensor and change nothing (``x.shape``, ``data_ptr()``,
-   ``is_contiguous()``) only steer the Python, which the key (below) pins, and are not recorded; nor are calls
-   that return one of their own arguments (``x.contiguous()`` of a contiguous ``x``).
+   scalars, the compiled kernel). Queries of what the key (below) pins (``x.shape``, ``data_ptr()``,
+   ``is_contiguous()``: ``_QUERIES``) only steer the Python and are not recorded; nor are conversions that return
+   their argument itself (``x.contiguous()`` of a contiguous ``x``: ``_NO_COPY``). A call that writes (below) is
+   recorded and kept whatever it returns.
 2. :class:`Program` turns a recording into the source of one Python function (``Program.source``; print it to see
    what a step runs), e.g. ``s14 = c3(s2, 128, 768)`` for a torch op and
    ``c9(1, 1, 1, stream, c10, c11, None, None, None, s14.data_ptr(), ...)`` for a Triton kernel, through its
@@ -42,30 +43,68 @@ How:
    that view's layout (:func:`_fold_saved_views`); a pooled kept block the backward reads only by address passes
    as that address (an int), with the pool it points into.
 
-When a recording is sound, and when it is not (the recorder then gives up, and the caller keeps the ordinary
-code for that configuration; nothing is replayed):
+When a recording is sound, and when it is not (the recorder then gives up -- ``Recorder.error``, and
+:class:`Program` raises :class:`RecordAbort` --, and the caller keeps the ordinary code for that configuration
+from then on; nothing is replayed). What the recorder enforces, at record time (a replay runs no check):
 
 - every tensor an op takes is an input or the output of an earlier recorded op. A tensor from anywhere else
   (a module attribute, a cache) aborts the recording: it would be frozen into the program;
 - no recorded op output has a ``grad_fn`` (no autograd graph is built inside the step);
 - no integer argument of a launch is a device pointer (it would be frozen);
+- no call brings a tensor's value to the host, where the Python could branch on it or take a shape from it:
+  ``bool(t)`` (``if t.sum() > 0``), ``t.item()``, ``t.tolist()``, ``int(t)``, ``float(t)``, ``operator.index(t)``
+  (``lst[t]``), ``complex(t)``, ``format`` / ``repr`` / ``str``, ``x in t``, ``numpy()``, ``torch.equal``,
+  ``torch.allclose``, ``is_nonzero`` (``_HOST_READS``); ops whose output shape depends on values (``nonzero``,
+  ``masked_select``, ``unique``, ``bincount``, one-argument ``where``, ``repeat_interleave`` by a tensor, indexing
+  by a boolean mask: ``_VALUE_SHAPED``); a slice with a tensor bound (``x[:n]`` for a tensor ``n``); and any other
+  call that writes nothing and returns a Python value (a number, bool, string, list ...) rather than a tensor,
+  unless it is a known query of what the key pins (``_QUERIES``: shape, strides, dtype, ``data_ptr`` ...). What
+  runs inside a recorded call (the outermost call is what the mode sees and what a replay runs again whole) and
+  inside a launch or a ``Recorder.call`` is not looked at: it runs again, whole, on replay;
+- a call that writes into a tensor is recorded and kept, however it is called: by its ATen schema (an
+  ``OpOverload`` whose ``_schema.is_mutable``, e.g. ``torch.ops.aten.add_.Tensor`` -- its name does not end in
+  ``_`` --; a packet, torch function or Tensor method with an overload that writes (``Tensor(a!)``) an argument
+  this call passes: ``torch.ops.aten.add_``, ``torch._cummax_helper``), an in-place method (``x.add_``,
+  ``x[i] = v``, ``x += y``, ``x.data = y``), ``out=``, ``inplace=True``; a call that returns one of its arguments
+  and is not a known conversion (``F.relu(x, inplace=True)``), and one that returns None (made for its effect), are
+  taken as writes too (a replay runs them again: never wrong, at worst one op more);
 - the caller's key holds everything the Python of the step branches on: every input tensor's shape, strides,
   dtype, device, ``requires_grad`` and pointer alignment (``data_ptr() % 256``: Triton specialises kernels on
   16-byte alignment and cuBLASLt picks algorithms by it), the non-tensor configuration, and the process state the
   ops dispatch on (``torch.autocast``, the backend switches of SDPA). Environment variables the kernels' Python
   reads (``FP8ENGINE_EMULATE_FP8_CVT`` ...) are taken as they were when the step was recorded. Intermediate tensors
   come from the caching allocator (512-byte aligned) or are views at fixed offsets of those, so their alignment
-  is the recorded one. No op of the step reads a tensor's value on the host (no synchronisation), so the values
-  never steer the Python.
+  is the recorded one. The key is the caller's to get right (:mod:`fp8engine.ops.layer`); what the recorder cannot
+  see -- Python state read outside torch calls, such as a module attribute that is not a tensor -- is not checked
+  (``FP8ENGINE_REPLAY=check``, below, is how to find such a miss).
+
+The cache (:class:`ProgramCache`): programs by the caller's key, at most ``MAX_PROGRAMS`` of them, the least
+recently used out first (a replay moves its key to the end: one ``OrderedDict.move_to_end``). A recording costs
+host time and pays only where its configuration comes again, so after ``MISS_BUDGET`` recordings at a
+configuration's first call a new configuration is recorded only at its second call: a run whose shapes keep
+changing stops paying for recordings and runs the ordinary code; a shape that comes back is still replayed. A
+configuration whose recording was refused keeps its reason (a str) and runs the ordinary code, not re-recorded at
+every call; one whose backward never ran is tried ``MAX_RECORDINGS`` times. The cache the layer step uses is
+module-level (``fp8engine.ops.layer._PROGRAMS``): bounded as above, ``clear()`` empties it.
+
+Checking (``FP8ENGINE_REPLAY=check``, read at import; ``CHECK``): the cache stores each program as a
+:class:`Checked`, which runs the replay and then the ordinary code from the same state (the replay's writes to its
+inputs undone), compares the bits of every output and of every input the step may write (the scaling state), and
+raises :class:`ReplayMismatch` naming the first that differs; the ordinary code's results are kept. Slow (both
+run, and every input is copied); for tests and for hunting a key that misses something. Bits are compared, so an
+op whose bits vary from run to run (on CUDA, an attention backward that accumulates with atomics) can differ
+between any two runs, replayed or not: check with ``torch.use_deterministic_algorithms(True)`` where that shows.
 
 Streams and devices: a replayed launch reads the current CUDA stream at the time of the replay, as ``launch``
 does. Under ``TRITON_INTERPRET=1`` launches are replayed through the interpreter (``kernel[grid](...)``).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import weakref
+from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -73,16 +112,154 @@ from torch.overrides import TorchFunctionMode
 
 from fp8engine.kernels import _common
 
-__all__ = ["Recorder", "Program", "Pair", "RecordAbort", "tensor_key"]
+__all__ = ["Recorder", "Program", "Pair", "RecordAbort", "tensor_key", "ProgramCache", "Checked", "ReplayMismatch"]
 
-#: Tensor methods that write into their first argument without ending in ``_``.
-_MUTATING = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
+#: Tensor methods that write into their first argument without ending in ``_`` (the augmented assignments, item
+#: assignment, and property setters: ``t.data = ...``).
+_MUTATING = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                       "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                       "__irshift__", "__set__"})
+#: Ops that write an argument their ATen schema does not mark as written (the running statistics of a batch norm
+#: in training).
+_UNMARKED_WRITES = frozenset({"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index",
+                              "cudnn_batch_norm", "miopen_batch_norm"})
+#: Calls that bring a tensor's value to the host (a Python number, bool, string, list or array computed from the
+#: elements): the Python after them may branch on it, which no key pins.
+_HOST_READS = frozenset({"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__complex__",
+                         "__format__", "__repr__", "__str__", "__contains__", "__array__", "numpy", "is_nonzero",
+                         "equal", "allclose", "_local_scalar_dense"})
+#: Ops whose output shape depends on the input values (a recording would freeze the shape in the ops after them).
+_VALUE_SHAPED = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "_unique",
+                           "_unique2", "bincount"})
+#: Calls that return no tensor and read only what the key pins (shape, strides, dtype, device, alignment; the
+#: backend switches): they steer the Python the same way on every call of a configuration and are not recorded.
+#: Any other call that returns no tensor either writes (recorded) or returns a value (the recording aborts).
+_QUERIES = frozenset({"__get__", "size", "stride", "dim", "ndimension", "numel", "nelement", "element_size",
+                      "data_ptr", "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
+                      "is_inference", "is_pinned", "is_shared", "is_set_to", "is_same_size", "_is_view",
+                      "get_device", "untyped_storage", "storage", "__len__", "__hash__", "type", "result_type",
+                      "promote_types", "can_cast", "_fused_sdp_choice", "__dlpack_device__", "dim_order",
+                      "has_names", "is_conj", "is_neg"})
+#: Non-tensor results a call may return without reading a value (a query's metadata, a storage object).
+_METADATA_TYPES = (torch.Size, torch.dtype, torch.device, torch.layout, torch.memory_format, torch.UntypedStorage,
+                   torch.TypedStorage)
+#: Calls that may return their argument itself without writing it (a conversion to what it already is): not
+#: recorded. Any other call that returns one of its arguments is recorded as writing into it (``F.relu(x,
+#: inplace=True)``), which replays it.
+_NO_COPY = frozenset({"contiguous", "to", "type", "type_as", "cpu", "cuda", "float", "double", "half", "bfloat16",
+                      "int", "long", "short", "char", "byte", "bool", "flatten", "resolve_conj", "resolve_neg",
+                      "conj"})
 #: Largest int argument of a launch that is taken for a size, not a pointer (device pointers are far above it).
 _POINTER_FLOOR = 1 << 40
 
 
 class RecordAbort(Exception):
     """The recording cannot be replayed soundly (module docstring); the message says why."""
+
+
+def _base_name(func) -> str:
+    """``func``'s op name: ``add_`` for ``Tensor.add_``, ``torch.ops.aten.add_`` and ``torch.ops.aten.add_.Tensor``."""
+    name = getattr(func, "__name__", "")
+    return name.split(".")[0] if isinstance(func, torch._ops.OpOverload) else name
+
+
+@functools.lru_cache(maxsize=1024)  # (a pure function of the op: its ATen schemas)
+def _aten_schemas(func) -> tuple:
+    """The ATen schemas a call of ``func`` may run: an ``OpOverload``'s own, an ``OpOverloadPacket``'s overloads',
+    or, for a torch function or Tensor method, those of the ATen op of its name (none for a Python-only name)."""
+    if isinstance(func, torch._ops.OpOverload):
+        return (func._schema,)
+    packet = func
+    if not isinstance(func, torch._ops.OpOverloadPacket):
+        name = getattr(func, "__name__", "")
+        if not name.isidentifier() or name.startswith("__"):
+            return ()
+        try:
+            packet = getattr(torch.ops.aten, name)
+        except (AttributeError, RuntimeError):
+            return ()
+    return tuple(getattr(packet, o)._schema for o in packet.overloads())
+
+
+def _holds(schema_type, v) -> bool:
+    """Whether ``v`` (an argument value) is a tensor, or tensors, where the schema takes them: a ``Tensor(a!)``
+    (or optional) given a tensor, a ``Tensor(a!)[]`` given a list of them."""
+    if isinstance(v, torch.Tensor):
+        return "Tensor" in str(schema_type) and schema_type.kind() != "ListType"
+    if type(v) in (list, tuple) and any(isinstance(t, torch.Tensor) for t in v):
+        return schema_type.kind() == "ListType" and "Tensor" in str(schema_type)
+    return False
+
+
+def _schema_writes(func, args, kwargs) -> bool:
+    """Whether the call may write into an argument, by its ATen schema: an ``OpOverload`` whose schema is mutable,
+    or an op of which some overload writes (``Tensor(a!)``) an argument this call passes, as the type that
+    overload takes (a packet's ``.out`` overload writes only where ``out=`` is given)."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func._schema.is_mutable
+    try:
+        schemas = _aten_schemas(func)
+    except TypeError:  # (an unhashable callable)
+        schemas = _aten_schemas.__wrapped__(func)
+    for schema in schemas:
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if not a.kwarg_only and i < len(args) else kwargs.get(a.name)
+            if _holds(a.type, v):
+                return True
+    return False
+
+
+def _writes(func, name: str, args, kwargs) -> bool:
+    """Whether a call writes into an argument (it is then recorded and kept, whatever it returns): by its schema
+    (:func:`_schema_writes`), or, for calls no ATen schema describes, an in-place method (``x.add_``,
+    ``x[i] = v``, ``x += y``), an ``out=`` tensor, ``inplace=True``, a batch norm (``_UNMARKED_WRITES``)."""
+    if not isinstance(func, torch._ops.OpOverload) and (
+            name in _MUTATING or (name.endswith("_") and not name.endswith("__"))):
+        return True
+    if name in _UNMARKED_WRITES:
+        return True
+    if _tensors_in(kwargs.get("out")) or kwargs.get("inplace") is True:
+        return True
+    return _schema_writes(func, args, kwargs)
+
+
+def _host_read(name: str, args, kwargs) -> Optional[str]:
+    """Why the call brings a tensor's value to the host, where the Python after it may branch on it or take a
+    shape from it, or None: it does not (module docstring, "When a recording is sound")."""
+    if name in _HOST_READS:
+        return f"{name}() reads a tensor's value on the host"
+    if name in _VALUE_SHAPED or (name == "where" and len(args) + len(kwargs) == 1):
+        return f"{name}() makes a tensor whose shape depends on its input's values"
+    if name == "repeat_interleave" and "output_size" not in kwargs and (
+            isinstance(kwargs.get("repeats", args[1] if len(args) > 1 else args[0] if args else None),
+                       torch.Tensor)):
+        return "repeat_interleave() by a tensor of repeats makes a tensor whose shape depends on its values"
+    index = args[1] if len(args) > 1 and name in ("__getitem__", "index") else None
+    for v in (index if type(index) in (tuple, list) else (index,)):
+        if isinstance(v, torch.Tensor) and v.dtype in (torch.bool, torch.uint8):
+            return "indexing by a boolean mask makes a tensor whose shape depends on the mask's values"
+    if _slice_tensor(args) or _slice_tensor(tuple(kwargs.values())):
+        return "a slice bound is a tensor (its value sets a shape)"
+    return None
+
+
+def _value_result(name: str, out) -> Optional[str]:
+    """Why the result of a call that wrote nothing and returned no tensor may hold a tensor's value (a Python
+    number, bool, string, list ... from a call the recorder does not know for a query), or None."""
+    if name in _QUERIES or isinstance(out, _METADATA_TYPES):
+        return None
+    return f"{name}() returned a {type(out).__name__}, which may hold a tensor's value"
+
+
+def _slice_tensor(v) -> bool:
+    """Whether ``v`` (arguments, nested in tuples / lists) holds a slice with a tensor bound."""
+    if type(v) is slice:
+        return any(isinstance(b, torch.Tensor) for b in (v.start, v.stop, v.step))
+    if type(v) in (list, tuple):
+        return any(_slice_tensor(a) for a in v)
+    return False
 
 
 def tensor_key(t: Optional[torch.Tensor]):
@@ -259,14 +436,24 @@ class Recorder(TorchFunctionMode):
         return out
 
     def _record_call(self, func, args, kwargs, out) -> None:
-        name = getattr(func, "__name__", "")
-        mutates = (name.endswith("_") and not name.endswith("__")) or name in _MUTATING or "out" in kwargs
+        name = _base_name(func)
+        why = _host_read(name, args, kwargs)
+        if why is not None:
+            raise RecordAbort(why)
+        mutates = _writes(func, name, args, kwargs)
         results = _tensors_in(out)
         if not mutates:
-            if not results:
+            if out is None and name not in _QUERIES:
+                mutates = True  # a call made for its effect (record_stream ...): replayed as it was made
+            elif not results:
+                why = _value_result(name, out)
+                if why is not None:
+                    raise RecordAbort(why)
                 return  # a query (shape, data_ptr, is_contiguous ...): it only steered the Python
-            if all(any(r is a for a in _tensors_in((args, tuple(kwargs.values())))) for r in results):
-                return  # returned an argument itself (contiguous(), to() of the same dtype)
+            elif all(any(r is a for a in _tensors_in((args, tuple(kwargs.values())))) for r in results):
+                if name in _NO_COPY:
+                    return  # returned an argument itself (contiguous(), to() of the same dtype)
+                mutates = True  # returned an argument itself: it may have written it (F.relu(inplace=True))
         targs = self.template(args)
         tkwargs = {k: self.template(v) for k, v in kwargs.items()}
         alias_of = layout = view_of = None
@@ -281,7 +468,7 @@ class Recorder(TorchFunctionMode):
                 func is torch.empty and set(kwargs) <= {"dtype", "device"}) or (
                 func in (torch.empty_strided, torch.empty_like) and set(kwargs) <= {"dtype", "device"})):
             layout = (tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
-        views = not mutates and any(r._is_view() for r in results)
+        views = any(r._is_view() for r in results)  # (a known result -- written in place -- makes no slot)
         self.ops.append(_Op("call", func, targs, tkwargs, self._outputs(out), mutates, alias_of=alias_of,
                             layout=layout, view_of=view_of, rel=rel, views=views))
 
@@ -800,3 +987,245 @@ class Pair:
 
     def backward(self, inputs: Sequence, saved: Sequence):
         return self.bwd(inputs, saved)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cache of recorded programs, and the check of a replay against the ordinary code
+# ---------------------------------------------------------------------------------------------------------------
+#: ``FP8ENGINE_REPLAY=check`` (read at import): a cache stores each recorded :class:`Pair` as a :class:`Checked`,
+#: which runs the replay and the ordinary code side by side and compares their bits (module docstring).
+CHECK = os.environ.get("FP8ENGINE_REPLAY", "1") == "check"
+#: Configurations a :class:`ProgramCache` keeps (least recently used out first). A training run has a handful
+#: (``tests/ops/test_replay.py``); each program holds its compiled function and constants (a few hundred KiB for
+#: the layer step), so 256 bound the cache's memory to tens of MiB.
+MAX_PROGRAMS = 256
+#: Recordings at a configuration's first call a :class:`ProgramCache` makes before it records a configuration only
+#: at its second call. Why: a recording costs host time (the recorder's mode around every torch call, the program's
+#: generation), paid back only where the configuration comes again, and a run whose shapes keep changing (a new
+#: sequence length at every step) sees most configurations once: issue 44 measured such a run 4.2x slower with the
+#: replay on (CPU); on the H100 machine's CPU, 40 steps of new lengths (the layer at H=64, FFN=128, 4 heads, batch
+#: 2, lengths 56..95) took 2.91 s with the replay off, 3.76 s with every length recorded and 2.98 s with this budget.
+#: 8 is twice what a run of one model makes (with and without the FP8 weight casts, the first layer's input with
+#: and without grad), so a steady run records every configuration at its first call, and a run of changing shapes
+#: wastes at most 8 recordings, then runs the ordinary code for each new shape, recording only those that come
+#: back.
+MISS_BUDGET = 8
+#: Recordings started per configuration before it is given up (a recorded forward whose backward never runs, e.g.
+#: a loss not back-propagated, leaves its configuration unrecorded).
+MAX_RECORDINGS = 3
+
+
+class ProgramCache:
+    """Recorded programs by configuration key (module docstring, "The cache"): bounded, least recently used out
+    first, with a budget of recordings at a configuration's first call.
+
+    ``get(key)`` -> the program (a :class:`Pair`, or a :class:`Checked` under ``CHECK``), a str (why the
+    configuration is not replayed), an int (recordings started, none finished), or None (not seen); the caller
+    replays a program and calls ``move_to_end(key)`` (both plain ``OrderedDict`` methods: the replay's hot path),
+    else asks :meth:`start` whether to record this call, and stores what the recording gave with
+    ``cache[key] = program_or_reason``.
+
+    Args:
+        size: configurations kept (``MAX_PROGRAMS``).
+        miss_budget: recordings at a configuration's first call before a configuration is recorded only at its
+            second (``MISS_BUDGET``).
+        attempts: recordings started per configuration before it is given up (``MAX_RECORDINGS``).
+    ``recordings`` counts the recordings started, ``misses`` those at a configuration's first call.
+    """
+
+    def __init__(self, size: int = MAX_PROGRAMS, miss_budget: int = MISS_BUDGET, attempts: int = MAX_RECORDINGS):
+        if size < 1 or miss_budget < 0 or attempts < 1:
+            raise ValueError(f"ProgramCache(size={size}, miss_budget={miss_budget}, attempts={attempts}): size and "
+                             "attempts must be at least 1, miss_budget at least 0")
+        self.size, self.miss_budget, self.attempts = size, miss_budget, attempts
+        self._entries: OrderedDict = OrderedDict()  # key -> program / reason (str) / recordings started (int)
+        self._seen: OrderedDict = OrderedDict()  # keys called once and not recorded (the budget spent), bounded
+        self.get = self._entries.get
+        self.move_to_end = self._entries.move_to_end
+        self.recordings = self.misses = 0
+
+    def start(self, key) -> bool:
+        """Whether to record this call of ``key``'s configuration (counted); False: run the ordinary code (the
+        configuration is refused or given up, or seen for the first time with the miss budget spent)."""
+        state = self._entries.get(key, 0)
+        if type(state) is not int or state >= self.attempts:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+            return False
+        if state == 0:
+            if key in self._seen:
+                del self._seen[key]  # its second call: recorded
+            elif self.misses >= self.miss_budget:
+                self._seen[key] = None
+                if len(self._seen) > self.size:
+                    self._seen.popitem(last=False)
+                return False
+            else:
+                self.misses += 1
+        self[key] = state + 1
+        self.recordings += 1
+        return True
+
+    def __setitem__(self, key, value) -> None:
+        """Store a configuration's program (``CHECK``: as a :class:`Checked`), the reason it is not replayed (a
+        str), or its recordings started (an int); the least recently used entries beyond ``size`` go."""
+        if CHECK and type(value) is Pair:
+            value = Checked(value)
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def __getitem__(self, key):
+        return self._entries[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def keys(self):
+        return self._entries.keys()
+
+    def values(self):
+        return self._entries.values()
+
+    def items(self):
+        return self._entries.items()
+
+    def clear(self) -> None:
+        """Forget every configuration and reset the budget and the counts."""
+        self._entries.clear()
+        self._seen.clear()
+        self.recordings = self.misses = 0
+
+
+class ReplayMismatch(RuntimeError):
+    """``FP8ENGINE_REPLAY=check``: a replay gave other bits than the ordinary code (:class:`Checked`)."""
+
+
+class Checked:
+    """A :class:`Pair` run beside the ordinary code it was recorded from (``FP8ENGINE_REPLAY=check``): each call
+    runs both from the same state and raises :class:`ReplayMismatch`, naming the first output or written tensor
+    whose bits differ (dtype, shape, strides and every byte), else returns the ordinary code's results.
+
+    ``forward(inputs, eager, eager_backward)`` -> ``(outputs, (backward, saved))``: ``eager()`` runs the ordinary
+    forward and returns what the pair's forward returns (its outputs); ``eager_backward(*backward_inputs)`` runs
+    the ordinary backward. The second result takes the place of ``(pair, saved)``: ``backward.backward(inputs,
+    saved)`` checks the backward as the forward. The step's written tensors are its inputs (a tensor the recording
+    does not know aborts it), compared after the replay and after the ordinary code, each run from the inputs as
+    they were (the replay's writes undone)."""
+
+    def __init__(self, pair: Pair):
+        self.pair = pair
+
+    def forward(self, inputs: Sequence, eager: Callable, eager_backward: Callable):
+        # the replay first, the ordinary code last: what the ordinary forward saves for its backward is not
+        # written afterwards (autograd's in-place check)
+        got, saved, written = _run_from(inputs, lambda: self.pair.forward(inputs))
+        want = eager()
+        _compare("forward", got, want, inputs, written)
+        return want, (_CheckedBackward(self.pair, list(inputs), eager_backward), saved)
+
+
+class _CheckedBackward:
+    """The backward half of a :class:`Checked` call: ``backward(inputs, saved)`` as :meth:`Pair.backward`."""
+
+    def __init__(self, pair: Pair, fwd_inputs: list, eager: Callable):
+        self.pair, self.fwd_inputs, self.eager = pair, fwd_inputs, eager
+
+    def backward(self, inputs: Sequence, saved: list):
+        tensors = [*self.fwd_inputs, *inputs]  # the backward may write the forward's inputs (scaling state)
+        before = _snapshot(tensors)
+        # the ordinary code first (it reads what its forward saved before anything else writes), then the replay
+        # from the same state; the ordinary code's state is kept
+        want = self.eager(*inputs)
+        after = _snapshot(tensors)
+        _restore(tensors, before)
+        got = self.pair.backward(inputs, saved)
+        written = _snapshot(tensors)
+        _restore(tensors, after)
+        _compare("backward", got, want, tensors, written)
+        return want
+
+
+def _snapshot(tensors: Sequence) -> list:
+    return [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in tensors]
+
+
+def _restore(tensors: Sequence, snapshot: list) -> None:
+    """Write ``snapshot``'s values back into the tensors whose bits differ from it (only those: the others keep
+    their version counters)."""
+    with torch.no_grad():
+        for t, s in zip(tensors, snapshot):
+            if s is not None and _differs(t, s, layout=False) is not None:
+                t.copy_(s)
+
+
+def _run_from(inputs: Sequence, run: Callable):
+    """``run()`` (a replay), then the inputs as they were before it: its result and the inputs as it left them."""
+    before = _snapshot(inputs)
+    got, saved = run()
+    written = _snapshot(inputs)
+    _restore(inputs, before)
+    return got, saved, written
+
+
+def _differs(a, b, layout: bool = True) -> Optional[str]:
+    """How ``a`` and ``b`` differ (the replay's, the ordinary code's), or None: the same bits. Tensors: dtype,
+    shape, strides (``layout``: the two are different tensors; not between a tensor and its copy) and bytes;
+    anything else by ``==``."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+            return f"{type(a).__name__} {a!r:.60} against {type(b).__name__} {b!r:.60}"
+        return None
+    if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
+        return f"{a.dtype} {tuple(a.shape)} on {a.device} against {b.dtype} {tuple(b.shape)} on {b.device}"
+    if layout and a.stride() != b.stride() and a.numel() > 1:
+        return f"strides {a.stride()} against {b.stride()}"
+    if a.numel() == 0:
+        return None
+    bits_a = a.detach().contiguous().reshape(-1).view(torch.uint8).reshape(a.numel(), -1)
+    bits_b = b.detach().contiguous().reshape(-1).view(torch.uint8).reshape(b.numel(), -1)
+    diff = (bits_a != bits_b).any(dim=1)
+    if not diff.any():
+        return None
+    n, first = int(diff.sum()), int(diff.nonzero()[0, 0])
+    flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
+    return (f"{n} of {a.numel()} elements ({a.dtype} {tuple(a.shape)}) differ; the first, flat index {first}: "
+            f"{flat_a[first].item()!r} against {flat_b[first].item()!r}")
+
+
+def _flat(v, path: str, found: list) -> None:
+    """The leaves of ``v`` (tuples / lists, nested) with their paths (``"output 3"``, ``"output 1[0]"``)."""
+    if type(v) in (list, tuple):
+        for i, a in enumerate(v):
+            _flat(a, f"{path}[{i}]" if path else f"output {i}", found)
+    else:
+        found.append((path or "output", v))
+
+
+def _compare(what: str, got, want, tensors: Sequence, written: list) -> None:
+    """Raise :class:`ReplayMismatch` for the first output of ``got`` (the replay's) whose bits differ from
+    ``want``'s (the ordinary code's), else for the first of ``tensors`` (as the ordinary code left them) whose
+    bits differ from ``written`` (as the replay left them)."""
+    leaves_got, leaves_want = [], []
+    _flat(got, "", leaves_got)
+    _flat(want, "", leaves_want)
+    if len(leaves_got) != len(leaves_want):
+        raise ReplayMismatch(f"FP8ENGINE_REPLAY=check: the replayed {what} returned {len(leaves_got)} outputs, the "
+                             f"ordinary code {len(leaves_want)}")
+    for (path, a), (_, b) in zip(leaves_got, leaves_want):
+        why = _differs(a, b)
+        if why is not None:
+            raise ReplayMismatch(f"FP8ENGINE_REPLAY=check: the replayed {what}'s {path} differs from the ordinary "
+                                 f"code's: {why}")
+    for i, (t, w) in enumerate(zip(tensors, written)):
+        why = None if w is None else _differs(w, t, layout=False)
+        if why is not None:
+            raise ReplayMismatch(f"FP8ENGINE_REPLAY=check: input {i} of the replayed {what}, which the step writes, "
+                                 f"differs from the ordinary code's after it: {why}")

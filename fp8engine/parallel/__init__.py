@@ -3,7 +3,8 @@
 Everything here that talks to ``torch.distributed`` takes its process group as an argument; ``None`` means a
 single rank. See each module: ``mappings`` (region mappings), ``layers`` (Column/RowParallelLinear),
 ``linear_ops`` (``TPLinearComm``: the communication the linear/MLP ops run), ``block_linear_ops``,
-``embedding``, ``cross_entropy``, ``random`` (RNG tracker, checkpoint), ``data`` (broadcast_data), ``mesh``
+``embedding``, ``cross_entropy``, ``random`` (RNG tracker, Megatron's ``checkpoint``, TransformerEngine's
+``te_checkpoint``), ``utils`` (``VocabUtility``, 1-D split/gather), ``data`` (broadcast_data), ``mesh``
 (ParallelDims, init_parallel), ``fp8_comm`` (FP8 all-gather), ``inference``.
 """
 from fp8engine.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -24,8 +25,8 @@ from fp8engine.parallel.mappings import (all_gather_last_dim_from_tensor_paralle
                                          scatter_to_tensor_model_parallel_region)
 from fp8engine.parallel.mesh import ParallelDims, ParallelEnv, init_parallel
 from fp8engine.parallel.random import (CheckpointWithoutOutput, RNGStatesTracker, checkpoint, default_rng_tracker,
-                                       model_parallel_manual_seed)
-from fp8engine.parallel.utils import (gather_split_1d_tensor, get_group_rank, get_group_size,
+                                       model_parallel_manual_seed, te_checkpoint)
+from fp8engine.parallel.utils import (VocabUtility, gather_split_1d_tensor, get_group_rank, get_group_size,
                                       split_tensor_along_last_dim, split_tensor_into_1d_equal_chunks)
 
 __all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
@@ -35,9 +36,9 @@ __all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_par
            "reduce_scatter_last_dim_to_tensor_parallel_region", "all_to_all", "all_to_all_sp2hp", "all_to_all_hp2sp",
            "ColumnParallelLinear", "RowParallelLinear", "all_reduce_sequence_parallel_grads",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "RNGStatesTracker", "default_rng_tracker",
-           "model_parallel_manual_seed", "checkpoint", "CheckpointWithoutOutput", "broadcast_data",
+           "model_parallel_manual_seed", "checkpoint", "te_checkpoint", "CheckpointWithoutOutput", "broadcast_data",
            "split_tensor_along_last_dim", "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
-           "get_group_size", "get_group_rank", "ParallelDims", "ParallelEnv", "init_parallel",
+           "get_group_size", "get_group_rank", "VocabUtility", "ParallelDims", "ParallelEnv", "init_parallel",
            "cast_and_all_gather_fp8", "measure_sp_all_gather", "sp_all_gather_bytes",
            "InferenceLayerNormColumnParallelLinear", "InferenceRowParallelLinear",
            "reduce_scatter_residual_rmsnorm_all_gather"]

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from fp8engine.fp8.block_tensor import Float8BlockTensor
 from fp8engine.fp8.quantizer import LinearQuantizers
+from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.block_gemm import block_gemm
 from fp8engine.ops.block_linear import BLOCK_DTYPES
 from fp8engine.ops.linear import main_grad_of
@@ -146,7 +147,8 @@ class _TPBlockLinear(torch.autograd.Function):
             dgrad_work.wait()
         if dx is not None:
             dx = dx.reshape(ctx.x_local_shape)
-        ctx.x_t = ctx.x_t_local = ctx.w_t = None
+        if not backward_keeps_graph("a tensor-parallel block-scaled FP8 linear"):
+            ctx.x_t = ctx.x_t_local = ctx.w_t = None
         return dx, dw, db, None, None, None
 
 

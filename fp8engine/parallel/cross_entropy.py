@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8engine.parallel.utils import all_reduce, get_group_rank, get_group_size
+from fp8engine.parallel.utils import VocabUtility, all_reduce, get_group_rank, get_group_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -25,8 +25,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if size > 1:
             logits_max = all_reduce(logits_max, group, "max")[0]
         x = x - logits_max.unsqueeze(-1)
-        start = rank * part
-        outside = (target < start) | (target >= start + part)
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(part, rank, size)
+        outside = (target < start) | (target >= end)
         local_target = (target - start).masked_fill(outside, 0)
         predicted = torch.gather(x, -1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = x.exp()

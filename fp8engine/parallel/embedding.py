@@ -9,7 +9,7 @@ from torch import nn
 
 from fp8engine.parallel.mappings import (reduce_from_tensor_model_parallel_region,
                                          reduce_scatter_to_sequence_parallel_region)
-from fp8engine.parallel.utils import divide, get_group_rank, get_group_size
+from fp8engine.parallel.utils import VocabUtility, ensure_divisibility, get_group_rank, get_group_size
 
 __all__ = ["VocabParallelEmbedding"]
 
@@ -38,9 +38,10 @@ class VocabParallelEmbedding(nn.Module):
         size, rank = get_group_size(tp_group), get_group_rank(tp_group)
         self.num_embeddings, self.embedding_dim, self.tp_group = num_embeddings, embedding_dim, tp_group
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        self.num_embeddings_per_partition = divide(num_embeddings, size, "VocabParallelEmbedding num_embeddings")
-        self.vocab_start_index = rank * self.num_embeddings_per_partition
-        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        ensure_divisibility(num_embeddings, size, "VocabParallelEmbedding num_embeddings")
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, rank, size)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         full = torch.empty(num_embeddings, embedding_dim, dtype=params_dtype or torch.get_default_dtype(),
                            device=device)
         with torch.no_grad():

@@ -7,18 +7,27 @@ Seeds (Megatron's): data-parallel seed = ``seed`` (the default generator: identi
 for e.g. dropout on replicated activations); tensor-parallel seed = ``seed + 2718 + tp_rank`` (the
 ``"model-parallel-rng"`` state: different per tp rank, for dropout inside tp regions); expert-parallel seed =
 ``seed + 1024 + 100 * ep_rank + tp_rank``.
+
+Activation checkpointing in two spellings over one implementation: Megatron-core's
+``checkpoint(function, distribute_saved_activations, *args)`` and TransformerEngine's
+``te_checkpoint(function, *args, **kwargs)``; both replay RNG (tracker included), ``torch.autocast`` and FP8
+scaling state in the recompute, so results equal those without checkpointing bit for bit.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
+import weakref
 from typing import Dict, Optional
 
 import torch
+import torch.utils.checkpoint
 
 from fp8engine.fp8.autocast import get_fp8_context, recompute_context
+from fp8engine.parallel.utils import gather_split_1d_tensor, get_group_size, split_tensor_into_1d_equal_chunks
 
-__all__ = ["RNGStatesTracker", "default_rng_tracker", "model_parallel_manual_seed", "checkpoint",
+__all__ = ["RNGStatesTracker", "default_rng_tracker", "model_parallel_manual_seed", "checkpoint", "te_checkpoint",
            "CheckpointWithoutOutput", "MODEL_PARALLEL_RNG", "EXPERT_PARALLEL_RNG"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -44,30 +53,48 @@ def _set_state(device_type: str, state: torch.Tensor) -> None:
 
 class RNGStatesTracker:
     """Named RNG states of one device type; :meth:`fork` runs a block with a named state, then restores the
-    default generator (Megatron's ``CudaRNGStatesTracker``, on ``"cpu"`` or ``"cuda"`` generators).
+    generator (Megatron-core's ``CudaRNGStatesTracker``, on ``"cpu"`` or ``"cuda"`` generators).
+
+    Forks nest as in Megatron-core: entering a fork saves the progress of the stream that is active (the
+    default generator, or the state of an enclosing fork) and leaving it resumes that stream where it stopped.
+    A fork of the state that is already active (``with fork(name): ... with fork(name): ...``, e.g. an
+    activation-checkpoint recompute inside a fork region) continues the same stream: the draws are those of one
+    un-nested stream.
 
     Args:
-        device: the generator to swap: ``"cpu"``, ``"cuda"`` (the current CUDA device's) or None (CUDA when
-            available, else CPU).
+        device: the generator to swap: ``"cpu"`` (the default CPU generator), ``"cuda"`` (the current CUDA
+            device's) or None (CUDA when available, else CPU).
     """
 
     def __init__(self, device=None):
         self.device_type = _device_type(device)
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_: set = set()
+        #: the state whose stream the generator holds now (the innermost open fork), None outside forks
+        self._active: Optional[str] = None
 
     def reset(self) -> None:
-        self.states_, self.seeds_ = {}, set()
+        """Forget all states and seeds (Megatron's ``reset``)."""
+        self.states_, self.seeds_, self._active = {}, set(), None
 
     def get_states(self) -> Dict[str, torch.Tensor]:
-        """A copy of ``name -> generator state``."""
-        return {k: v.clone() for k, v in self.states_.items()}
+        """A copy of ``name -> generator state`` (uint8 tensors). Inside a fork, the active state's entry is the
+        generator's live state: where that stream continues."""
+        states = {k: v.clone() for k, v in self.states_.items()}
+        if self._active is not None:
+            states[self._active] = _get_state(self.device_type)
+        return states
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        """Replace the states by copies of ``states`` (as returned by :meth:`get_states`)."""
         self.states_ = {k: v.clone() for k, v in states.items()}
 
     def add(self, name: str, seed: int) -> None:
-        """Create state ``name`` seeded with ``seed``. Raises ``ValueError`` if the name or seed is taken."""
+        """Create state ``name`` seeded with ``seed`` (the generator's own state is left as it was).
+
+        Raises:
+            ValueError: the name or the seed is taken.
+        """
         if seed in self.seeds_:
             raise ValueError(f"RNG seed {seed} already exists in the tracker")
         if name in self.states_:
@@ -77,13 +104,14 @@ class RNGStatesTracker:
         if self.device_type == "cuda":
             torch.cuda.manual_seed(seed)
         else:
-            torch.manual_seed(seed)  # seeds the CPU generator (and CUDA ones, restored below if in use)
+            torch.default_generator.manual_seed(seed)  # the CPU generator only (torch.manual_seed also seeds CUDA)
         self.states_[name] = _get_state(self.device_type)
         _set_state(self.device_type, saved)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Run the block with generator state ``name``; its advanced state is kept for the next fork.
+        """Run the block with generator state ``name``; its advanced state is kept for the next fork, and the
+        stream that was active before (default generator or enclosing fork) resumes where it stopped.
 
         Raises:
             KeyError: ``name`` was never added.
@@ -91,13 +119,17 @@ class RNGStatesTracker:
         if name not in self.states_:
             raise KeyError(f"RNG state {name!r} is not in the tracker (has {sorted(self.states_)}); call add() or "
                            "model_parallel_manual_seed() first")
-        saved = _get_state(self.device_type)
+        outer, saved = self._active, _get_state(self.device_type)
+        if outer is not None:
+            self.states_[outer] = saved  # the enclosing fork's progress, read back below (it may be ``name``)
         _set_state(self.device_type, self.states_[name])
+        self._active = name
         try:
             yield
         finally:
             self.states_[name] = _get_state(self.device_type)
-            _set_state(self.device_type, saved)
+            _set_state(self.device_type, self.states_[outer] if outer is not None else saved)
+            self._active = outer
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,16 +141,37 @@ def default_rng_tracker(device_type: Optional[str] = None) -> RNGStatesTracker:
 
 def model_parallel_manual_seed(seed: int, tp_rank: int, tracker: Optional[RNGStatesTracker] = None, *,
                                ep_rank: int = 0, device=None) -> RNGStatesTracker:
-    """Seed the default generator with ``seed`` (data-parallel seed) and reset ``tracker`` with
+    """Seed the tracker's device generator with ``seed`` (the data-parallel seed) and reset ``tracker`` with
     ``"model-parallel-rng" = seed + 2718 + tp_rank`` and ``"expert-parallel-rng" = seed + 1024 + 100*ep_rank +
-    tp_rank`` (Megatron's ``model_parallel_cuda_manual_seed``). Returns the tracker (``default_rng_tracker`` of
-    the device type when None)."""
-    device_type = _device_type(device)
+    tp_rank`` (Megatron-core's ``model_parallel_cuda_manual_seed``).
+
+    Which generator is seeded with ``seed``: only the one the tracker swaps, as Megatron seeds only the current
+    CUDA device's. ``device="cuda"``: ``torch.cuda.manual_seed(seed)`` (current device); the default CPU generator
+    is left alone (call ``torch.manual_seed`` yourself if you want it seeded too). ``device="cpu"``: the tracker's
+    generator *is* the default CPU generator, so that one is seeded (``torch.default_generator.manual_seed``);
+    CUDA generators are left alone.
+
+    Args:
+        seed: the data-parallel seed (the same on the ranks of a tp group).
+        tp_rank, ep_rank: this rank's tensor- and expert-parallel ranks.
+        tracker: the tracker to reset; None: :func:`default_rng_tracker` of the device type.
+        device: ``"cpu"``, ``"cuda"`` or None (the tracker's device type; without a tracker, CUDA when
+            available).
+    Returns:
+        the tracker.
+    Raises:
+        ValueError: ``device`` is not the device type of ``tracker``.
+    """
+    device_type = tracker.device_type if tracker is not None and device is None else _device_type(device)
     tracker = tracker if tracker is not None else default_rng_tracker(device_type)
+    if tracker.device_type != device_type:
+        raise ValueError(f"the tracker swaps the {tracker.device_type} generator but device={device!r} "
+                         f"({device_type}); pass device={tracker.device_type!r} or a tracker of that device")
+    tracker.reset()
     if device_type == "cuda":
         torch.cuda.manual_seed(seed)
-    torch.manual_seed(seed)
-    tracker.reset()
+    else:
+        torch.default_generator.manual_seed(seed)
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
     tracker.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + tp_rank)
     return tracker
@@ -128,20 +181,41 @@ def model_parallel_manual_seed(seed: int, tp_rank: int, tracker: Optional[RNGSta
 # Activation checkpointing.
 
 class _RNGSnapshot:
-    """CPU, CUDA (when initialised) and tracker states at one moment."""
+    """CPU, CUDA (when initialised) and tracker states at one moment, and which tracker state was active (the
+    innermost open fork), so that a recompute replays draws made inside a fork region exactly."""
 
     def __init__(self, tracker: Optional[RNGStatesTracker]):
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        self.tracker = tracker.get_states() if tracker is not None else None
         self._tracker = tracker
+        self.tracker = tracker.get_states() if tracker is not None else None
+        self.active = tracker._active if tracker is not None else None
 
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda)
+    def restore(self, generators: bool = True) -> None:
+        """Put the states back; ``generators=False``: the tracker's only (the caller restores CPU and CUDA)."""
+        if generators:
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda)
         if self._tracker is not None:
             self._tracker.set_states(self.tracker)
+            self._tracker._active = self.active
+
+
+def _autocast_state():
+    """``torch.autocast``'s state now (CPU, and CUDA when available), for the recompute to run under the same."""
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices], \
+        torch.is_autocast_cache_enabled()
+
+
+@contextlib.contextmanager
+def _autocast_as(state):
+    per_device, cache = state
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in per_device:
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        yield
 
 
 @contextlib.contextmanager
@@ -187,48 +261,191 @@ def _detach(args):
     return tuple(out)
 
 
+def _check_distributable(args, tp_group) -> None:
+    """Up-front checks of ``distribute_saved_activations=True`` (before the function runs)."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise ValueError("distribute_saved_activations=True splits the first positional argument, which must be a "
+                         f"tensor; got {type(args[0]).__name__ if args else 'no arguments'}")
+    x = args[0]
+    if x._base is not None:
+        raise ValueError("distribute_saved_activations=True replaces the storage of args[0], which is a view here "
+                         "(its base would keep the full tensor alive); pass a tensor that is not a view, e.g. "
+                         "x.clone()")
+    size = get_group_size(tp_group)
+    if x.numel() % size != 0:
+        raise ValueError(f"distribute_saved_activations=True: args[0].numel()={x.numel()} is not divisible by the "
+                         f"tensor-parallel size {size}")
+
+
 class _CheckpointFunction(torch.autograd.Function):
+    """Megatron-core's / TransformerEngine's reentrant ``CheckpointFunction``: forward without keeping activations,
+    recompute in backward with the forward's RNG states, torch autocast state and FP8 scales."""
+
     @staticmethod
-    def forward(ctx, run_function, tracker, *args):
-        ctx.run_function, ctx.rng = run_function, _RNGSnapshot(tracker)
+    def forward(ctx, run_function, distribute, tp_group, tracker, kwargs, *args):
+        ctx.run_function, ctx.kwargs, ctx.rng = run_function, kwargs, _RNGSnapshot(tracker)
+        ctx.autocast = _autocast_state()
         fp8_ctx = get_fp8_context()
         with torch.no_grad(), _record_fp8_states(fp8_ctx) as used:
-            outputs = run_function(*args)
+            outputs = run_function(*args, **kwargs)
         ctx.fp8 = _FP8Recompute(fp8_ctx, used)
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        ctx.distribute, ctx.tp_group = distribute, tp_group
+        if distribute:
+            # Megatron's distribute_saved_activations: args[0] (the caller's tensor) keeps only this rank's 1-D
+            # chunk, in new storage, until backward gathers it back; the full storage is freed with its last user.
+            x = args[0]
+            ctx.input_0_shape, ctx.input_0 = x.shape, weakref.ref(x)
+            x.data = split_tensor_into_1d_equal_chunks(x.data, tp_group, new_buffer=True)
         ctx.arg_is_tensor = [isinstance(a, torch.Tensor) for a in args]
         ctx.non_tensors = [None if isinstance(a, torch.Tensor) else a for a in args]
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)])
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("checkpoint() does not support torch.autograd.grad; use .backward()")
-        saved = iter(ctx.saved_tensors)
+            raise RuntimeError("checkpoint() does not support torch.autograd.grad; use .backward() (or "
+                               "te_checkpoint(..., use_reentrant=False))")
+        saved = list(ctx.saved_tensors)
+        if ctx.distribute:
+            full = gather_split_1d_tensor(saved[0].detach(), ctx.tp_group).view(ctx.input_0_shape)
+            caller = ctx.input_0()  # the caller's tensor gets its data back, as in Megatron, if it is still alive
+            if caller is not None:  # (saved_tensors may be another object, e.g. under saved-tensor hooks)
+                caller.data = full
+            saved[0] = full.detach().requires_grad_(saved[0].requires_grad)
+        saved = iter(saved)
         args = _detach([next(saved) if t else nt for t, nt in zip(ctx.arg_is_tensor, ctx.non_tensors)])
         now = _RNGSnapshot(ctx.rng._tracker)
         ctx.rng.restore()
         try:
-            with torch.enable_grad(), ctx.fp8():
-                outputs = ctx.run_function(*args)
+            with torch.enable_grad(), _autocast_as(ctx.autocast), ctx.fp8():
+                outputs = ctx.run_function(*args, **ctx.kwargs)
         finally:
             now.restore()
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not pairs:
+            raise RuntimeError("checkpoint(): no output of the function requires grad, so there is nothing to "
+                               "recompute for; call the function without checkpoint()")
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None) + tuple(a.grad if isinstance(a, torch.Tensor) else None for a in args)
+        return (None,) * 5 + tuple(a.grad if isinstance(a, torch.Tensor) else None for a in args)
 
 
-def checkpoint(function, *args, rng_tracker: Optional[RNGStatesTracker] = None):
-    """Run ``function(*args)`` without keeping its activations; recompute them in backward with the forward's
-    RNG states (CPU, CUDA and ``rng_tracker``'s) restored, so dropout masks repeat exactly.
+def _checkpoint(function, distribute_saved_activations: bool, tracker, tp_group, args, kwargs):
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise ValueError(f"keyword argument {key!r} is a tensor that requires grad: pass it positionally "
+                             "(the reentrant checkpoint gives gradients to positional tensors only)")
+    # without grad mode no backward comes to gather args[0] back: nothing is distributed (nor saved for backward)
+    distribute = distribute_saved_activations and torch.is_grad_enabled()
+    if distribute:
+        _check_distributable(args, tp_group)
+    return _CheckpointFunction.apply(function, distribute, tp_group, tracker, kwargs, *args)
+
+
+def checkpoint(function, distribute_saved_activations: bool, *args, rng_tracker: Optional[RNGStatesTracker] = None,
+               tp_group=None):
+    """Megatron-core's ``tensor_parallel.checkpoint(function, distribute_saved_activations, *args)``: run
+    ``function(*args)`` without keeping its activations and recompute them in backward, with the forward's RNG
+    states (CPU, CUDA, and ``rng_tracker``'s, including which fork was open) and ``torch.autocast`` state restored,
+    so dropout masks and dtypes repeat exactly.
 
     Under :func:`fp8engine.autocast` the recompute uses the FP8 scales of the forward (restored for its duration)
-    and records no amaxes, so each amax is counted once. Returns what ``function`` returns (tensors).
+    and records no amaxes, so each amax is counted once (what TransformerEngine's checkpoint does).
+
+    Args:
+        function: called as ``function(*args)``; returns a tensor or a tuple of tensors.
+        distribute_saved_activations: split the saved ``args[0]`` over ``tp_group`` (Megatron's
+            ``CheckpointFunction``): after the forward, ``args[0]`` -- the caller's tensor itself -- holds only this
+            rank's ``numel / tp`` elements (1-D, new storage), and the backward all-gathers them and gives it back
+            its shape before the recompute. Do not read ``args[0]`` between the call and the backward. Saves
+            memory when the ranks of ``tp_group`` hold the same ``args[0]`` (a replicated activation).
+        args: the function's positional arguments; gradients flow to those that are tensors requiring grad.
+        rng_tracker: the tracker whose states ``function`` forks (None: none).
+        tp_group: the tensor-parallel group for ``distribute_saved_activations`` (None: one rank, nothing to
+            split; process groups are explicit in fp8engine, where Megatron reads a global).
+    Returns:
+        what ``function`` returns.
+    Raises:
+        TypeError: ``distribute_saved_activations`` is not a bool (the pre-Megatron signature
+            ``checkpoint(function, *args)``).
+        ValueError: with ``distribute_saved_activations``, ``args[0]`` is not a tensor, is a view, or its numel is
+            not divisible by the size of ``tp_group``.
+        RuntimeError: in backward, under ``torch.autograd.grad`` (use ``.backward()``), or when no output requires
+            grad.
     """
-    return _CheckpointFunction.apply(function, rng_tracker, *args)
+    if not isinstance(distribute_saved_activations, bool):
+        raise TypeError("checkpoint(function, distribute_saved_activations, *args) takes Megatron's signature: "
+                        f"distribute_saved_activations must be a bool, got {type(distribute_saved_activations)}; "
+                        "write checkpoint(fn, False, x, ...) for the former checkpoint(fn, x, ...)")
+    return _checkpoint(function, distribute_saved_activations, rng_tracker, tp_group, args, {})
+
+
+def te_checkpoint(function, *args, distribute_saved_activations: bool = False, get_rng_state_tracker=None,
+                  tp_group=None, use_reentrant: bool = True, **kwargs):
+    """TransformerEngine's ``transformer_engine.pytorch.checkpoint(function, *args, **kwargs)``: activation
+    recomputation of ``function(*args, **kwargs)`` that keeps the FP8 scaling state consistent -- the recompute
+    runs with the forward's FP8 scales and records no amaxes (each is counted once, so amax histories and scales
+    equal those of the same steps without checkpointing); RNG states (CPU, CUDA, the tracker's) and the
+    ``torch.autocast`` state of the forward are restored for the recompute.
+
+    Args:
+        function: called as ``function(*args, **kwargs)``.
+        args: positional arguments; gradients flow to those that are tensors requiring grad.
+        distribute_saved_activations: with ``use_reentrant=True``, split the saved ``args[0]`` over ``tp_group``
+            as :func:`checkpoint` does; with ``use_reentrant=False`` it has no effect (a warning), as in TE.
+        get_rng_state_tracker: a callable returning the :class:`RNGStatesTracker` whose states ``function``
+            forks (called once, at the forward), or None.
+        tp_group: the tensor-parallel group (None: one rank; TE would take the world group, fp8engine never
+            reads a global group).
+        use_reentrant: True: the reentrant autograd.Function (as :func:`checkpoint`; backward only through
+            ``.backward()``). False: ``torch.utils.checkpoint``'s non-reentrant checkpoint (works with
+            ``torch.autograd.grad``, keeps the inputs referenced instead of saving them), with the same RNG-tracker
+            and FP8 handling.
+        kwargs: passed to ``function`` in both runs; in the reentrant mode tensors that require grad are refused
+            (they would get no gradient).
+    Returns:
+        what ``function`` returns.
+    Raises:
+        ValueError: see :func:`checkpoint`; a keyword tensor requiring grad with ``use_reentrant=True``.
+    """
+    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
+    if use_reentrant:
+        return _checkpoint(function, bool(distribute_saved_activations), tracker, tp_group, args, kwargs)
+    if distribute_saved_activations:
+        warnings.warn("te_checkpoint: distribute_saved_activations=True has no effect with use_reentrant=False "
+                      "(the non-reentrant checkpoint saves no inputs of its own to distribute)", stacklevel=2)
+    holder = {}
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             context_fn=functools.partial(_non_reentrant_contexts, tracker, holder),
+                                             **kwargs)
+
+
+def _non_reentrant_contexts(tracker, holder):
+    """``context_fn`` of ``torch.utils.checkpoint``: torch restores CPU/CUDA RNG and autocast for the recompute;
+    these add the tracker's states and the FP8 scales (forward context records them, recompute context restores
+    them)."""
+
+    @contextlib.contextmanager
+    def forward():
+        holder["rng"] = _RNGSnapshot(tracker)
+        fp8_ctx = get_fp8_context()
+        with _record_fp8_states(fp8_ctx) as used:
+            yield
+        holder["fp8"] = _FP8Recompute(fp8_ctx, used)
+
+    @contextlib.contextmanager
+    def recompute():
+        now = _RNGSnapshot(tracker)
+        holder["rng"].restore(generators=False)
+        try:
+            with holder["fp8"]():
+                yield
+        finally:
+            now.restore(generators=False)
+
+    return forward(), recompute()
 
 
 class _CheckpointWithoutOutputFunction(torch.autograd.Function):
@@ -253,7 +470,9 @@ class _CheckpointWithoutOutputFunction(torch.autograd.Function):
 
 class CheckpointWithoutOutput:
     """Checkpoint whose *outputs* are freed too (Megatron's ``CheckpointWithoutOutput``): typical for a norm or
-    activation whose output is consumed by a following layer that keeps its own copy.
+    activation whose output is consumed by a following layer that keeps its own copy. The recompute restores
+    RNG, ``torch.autocast`` and FP8 state as :func:`checkpoint` does. ``checkpoint(run_function, *args)`` has
+    Megatron's signature for this class (no ``distribute_saved_activations``: the inputs are kept whole).
 
     Usage::
 
@@ -269,7 +488,7 @@ class CheckpointWithoutOutput:
 
     def checkpoint(self, run_function, *args):
         self.run_function = run_function
-        self.rng = _RNGSnapshot(self.rng_tracker)
+        self.rng, self.autocast = _RNGSnapshot(self.rng_tracker), _autocast_state()
         fp8_ctx = get_fp8_context()
         with _record_fp8_states(fp8_ctx) as used:
             outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
@@ -289,7 +508,7 @@ class CheckpointWithoutOutput:
         now = _RNGSnapshot(self.rng_tracker)
         self.rng.restore()
         try:
-            with torch.enable_grad(), self.fp8():
+            with torch.enable_grad(), _autocast_as(self.autocast), self.fp8():
                 outputs = self.run_function(*self.inputs)
         finally:
             now.restore()

@@ -5,15 +5,15 @@ and mapping is then the identity, so model code can run unsharded without torch.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 __all__ = ["get_group_size", "get_group_rank", "divide", "ensure_divisibility", "split_tensor_along_last_dim",
-           "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor", "all_reduce", "all_gather_dim0",
-           "reduce_scatter_dim0", "all_to_all_single"]
+           "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor", "VocabUtility", "all_reduce",
+           "all_gather_dim0", "reduce_scatter_dim0", "all_to_all_single"]
 
 # torch 2.13 renamed the "into tensor" collectives (the old names warn); torch 2.11 on the GPUs has only the old.
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -54,16 +54,26 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
     return [c.contiguous() for c in chunks] if contiguous_split_chunks else list(chunks)
 
 
-def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group) -> torch.Tensor:
-    """This rank's 1/size slice of ``tensor`` flattened to 1-D (``numel`` must divide by the group size).
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group, new_buffer: bool = False) -> torch.Tensor:
+    """This rank's 1/size slice of ``tensor`` flattened to 1-D: elements ``rank * n : (rank + 1) * n`` of
+    ``tensor.reshape(-1)``, ``n = numel / size`` (Megatron-core's ``split_tensor_into_1d_equal_chunks``).
 
-    Returns a view of ``tensor``'s storage (flattened) of ``numel / size`` elements.
+    Args:
+        tensor: any shape and dtype.
+        group: the process group to split over (None: one rank, the whole tensor).
+        new_buffer: return a copy in fresh storage of ``n`` elements (so ``tensor``'s storage can be freed);
+            otherwise a view of ``tensor``'s storage (of a flattened copy when ``tensor`` is not contiguous).
+    Returns:
+        ``[n]``, ``tensor``'s dtype and device.
+    Raises:
+        ValueError: ``numel`` is not divisible by the group size (Megatron floors and loses the remainder).
     """
     size = get_group_size(group)
     flat = tensor.reshape(-1)
     part = divide(flat.numel(), size, "numel")
     start = get_group_rank(group) * part
-    return flat[start:start + part]
+    chunk = flat[start:start + part]
+    return chunk.clone() if new_buffer else chunk
 
 
 def gather_split_1d_tensor(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -73,6 +83,43 @@ def gather_split_1d_tensor(tensor: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return flat.clone()
     return all_gather_dim0(flat, group)[0]
+
+
+class VocabUtility:
+    """The vocabulary slice ``[first, last)`` (last exclusive) that tensor-parallel rank ``rank`` of
+    ``world_size`` holds: ``first = rank * per_partition``, ``last = first + per_partition`` (Megatron-core's
+    ``tensor_parallel.utils.VocabUtility``). Used by :class:`~fp8engine.parallel.VocabParallelEmbedding` and
+    :func:`~fp8engine.parallel.vocab_parallel_cross_entropy`."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                                  world_size: int) -> Tuple[int, int]:
+        """``(rank * per_partition_vocab_size, (rank + 1) * per_partition_vocab_size)``.
+
+        Raises:
+            ValueError: ``per_partition_vocab_size < 0``, ``world_size < 1`` or ``rank`` outside
+                ``[0, world_size)``.
+        """
+        if per_partition_vocab_size < 0:
+            raise ValueError(f"per_partition_vocab_size must be >= 0, got {per_partition_vocab_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size) with world_size >= 1, got rank={rank}, "
+                             f"world_size={world_size}")
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> Tuple[int, int]:
+        """The range of rank ``rank`` when ``global_vocab_size`` is split evenly over ``world_size`` ranks.
+
+        Raises:
+            ValueError: ``global_vocab_size`` not divisible by ``world_size`` (pad the vocabulary to a multiple
+                of it), or the errors of :meth:`vocab_range_from_per_partition_vocab_size`.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        per_partition = divide(global_vocab_size, world_size, "global_vocab_size")
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -55,11 +55,14 @@ def reference_attention(mha, x, p, mask_type, mask=None, rope=None):
         q, k = apply_rotary_pos_emb(q, rope.to(x.dtype)), apply_rotary_pos_emb(k, rope.to(x.dtype))
     k, v = k.repeat_interleave(n // g, dim=2), v.repeat_interleave(n // g, dim=2)
     scores = torch.einsum("sbnd,tbnd->bnst", q, k) / math.sqrt(d)
-    if mask_type == "causal":
+    if mask_type in ("causal", "padding_causal"):
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    elif mask_type == "padding":
+    if mask_type in ("padding", "padding_causal"):
         scores = scores.masked_fill(mask, float("-inf"))  # [b, 1, 1, s], True = masked out
-    ctx = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(s, b, n * d)
+    probs = scores.softmax(-1)
+    if mask_type in ("padding", "padding_causal"):  # padded queries: zero output, as TransformerEngine returns
+        probs = probs.masked_fill(mask.view(b, 1, s, 1), 0.0)
+    ctx = torch.einsum("bnst,tbnd->sbnd", probs, v).reshape(s, b, n * d)
     return F.linear(ctx, p["proj.weight"], p["proj.bias"])
 
 
@@ -68,14 +71,14 @@ def _padding_mask(b, s):
     return (torch.arange(s)[None, :] >= lengths[:, None]).view(b, 1, 1, s)
 
 
-@pytest.mark.parametrize("mask_type", ["causal", "padding", "no_mask"])
+@pytest.mark.parametrize("mask_type", ["causal", "padding", "no_mask", "padding_causal"])
 @pytest.mark.parametrize("groups", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
 @pytest.mark.parametrize("rotary", [False, True])
 def test_matches_reference_outside_autocast(mask_type, groups, rotary):
     mha = _mha(num_gqa_groups=groups, attn_mask_type=mask_type)
     s, b = 7, 3
     x = torch.randn(s, b, H, requires_grad=True)
-    mask = _padding_mask(b, s) if mask_type == "padding" else None
+    mask = _padding_mask(b, s) if "padding" in mask_type else None
     rope = RotaryEmbedding(mha.config.head_dim)(s) if rotary else None
     y = mha(x, mask, rotary_pos_emb=rope)
     p = {n: t.detach().double().requires_grad_() for n, t in mha.named_parameters()}

@@ -299,3 +299,32 @@ def test_cuda_graph_capture_matches_eager():
         torch.testing.assert_close(yg, ye, rtol=0, atol=0)  # same kernels on the same inputs
         for (name, a), b in zip(layer.named_parameters(), eager.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-2, msg=name)
+
+
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), CurrentScaling()], ids=["block", "current"])
+@pytest.mark.parametrize("make", [
+    lambda: fp8engine.Linear(128, 256),
+    lambda: fp8engine.LayerNormMLP(128, 256),
+    lambda: fp8engine.TransformerLayer(128, 256, 4, hidden_dropout=0.0, attention_dropout=0.0, fused=False),
+], ids=["Linear", "LayerNormMLP", "TransformerLayer-composed"])
+def test_second_backward_with_retain_graph_accumulates_twice(make, recipe):
+    """``backward(retain_graph=True)`` then ``backward()`` on the composed FP8 ops: every gradient exactly twice one
+    backward's (the ops keep their FP8 operands under retain_graph; they dropped them and the second backward added
+    nothing to the weight and input gradients, silently). A third backward raises autograd's usual error."""
+    torch.manual_seed(0)
+    mod = make()
+    x = torch.randn(128, 2, 128)
+    grads = []
+    for backwards in (1, 2):
+        xi = x.clone().requires_grad_()
+        mod.zero_grad(set_to_none=True)
+        with fp8engine.fp8_autocast(fp8_recipe=recipe):
+            y = mod(xi)
+        loss = y.float().square().mean()
+        for i in range(backwards):
+            loss.backward(retain_graph=i < backwards - 1)
+        grads.append([xi.grad] + [p.grad for p in mod.parameters()])
+    for once, twice in zip(*grads):
+        assert torch.equal(2 * once, twice)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()

@@ -131,7 +131,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="normalization"):
         TransformerLayer(64, 128, 4, normalization="BatchNorm")
     with pytest.raises(ValueError, match="self_attn_mask_type|attn_mask_type"):
-        TransformerLayer(64, 128, 4, self_attn_mask_type="arbitrary")
+        TransformerLayer(64, 128, 4, self_attn_mask_type="causal_bottom_right")  # not implemented
     with pytest.raises(ValueError, match="tensor-parallel size 3"):
         AttentionConfig(96, 6, 2, "causal", tp_size=3)  # groups=2 not divisible by tp=3
     with pytest.raises(ValueError, match="hidden_dropout"):

@@ -18,6 +18,13 @@ from tests.conftest import sqnr
 H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
 
 
+@pytest.fixture(autouse=True)
+def _unchecked(monkeypatch):
+    """These tests look at the stored programs themselves: ``FP8ENGINE_REPLAY=check`` (which stores them as
+    ``replay.Checked``) off, whatever the environment says (``tests/ops/test_replay_fail_closed.py`` tests it)."""
+    monkeypatch.setattr(replay, "CHECK", False)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The recorder and the program on small functions
 # ---------------------------------------------------------------------------------------------------------------

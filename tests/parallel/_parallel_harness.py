@@ -40,6 +40,24 @@ def world_group():
     return dist.group.WORLD
 
 
+def tp_groups(tp: int):
+    """``(group, group_index, group_rank)`` of this rank among Megatron's tensor-parallel groups of ``tp`` consecutive
+    ranks (group ``i`` = ranks ``i*tp .. (i+1)*tp - 1``; at world size 8 and ``tp`` 4, rank 5 is rank 1 of group 1).
+    Every rank creates every group, in the same order, as ``torch.distributed.new_group`` requires; ``tp`` equal to
+    the world size gives the world group."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    if ws % tp:
+        raise ValueError(f"tp={tp} does not divide the world size {ws}")
+    if tp == ws:
+        return dist.group.WORLD, 0, rank
+    mine = None
+    for i in range(ws // tp):
+        g = dist.new_group(list(range(i * tp, (i + 1) * tp)))
+        if rank // tp == i:
+            mine = g
+    return mine, rank // tp, rank % tp
+
+
 def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 20*log10(||ref|| / ||ref - actual||) (torchao's metric)."""
     ref, actual = ref.detach().double(), actual.detach().double()

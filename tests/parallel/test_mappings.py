@@ -1,15 +1,17 @@
 """The mapping functions, forward and backward, exactly (integer-valued float32 data: every sum is exact, so the
-distributed result must equal the unsharded one bit for bit, tolerance 0), on 2 and 4 gloo ranks; eager, and under
+distributed result must equal the unsharded one bit for bit, tolerance 0), on 2 and 4 gloo ranks (8 ranks in
+test_world_size_8.py); eager, and under
 ``torch.compile`` (where they issue functional collectives: the in-place ones, as traced by the Dynamo of torch 2.11,
 gave ``reduce_from_tensor_model_parallel_region`` a zero input gradient)."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from _parallel_harness import run_ranks, world_group
 from fp8engine.parallel import mappings as M
 
-S, B, H = 8, 3, 16  # full sequence, batch, hidden; S and H divisible by 2 and 4
+# full sequence, batch, hidden: S and H divisible by 2, 4 and 8; at 8 ranks the uneven sequence shards take
+# S >= 12 rows (1 + 2 + 1 + 2 + ...) and the uneven all_to_all S*B >= 36 (rank r sends j + 1 rows to rank j)
+S, B, H = 16, 3, 16
 
 
 def _ints(seed, *shape):
@@ -31,13 +33,14 @@ def _check(fn, x_local, grad_local, want_out, want_grad, what, compiled=False):
     _exact(x.grad, want_grad, what + " backward")
 
 
-def _mappings_worker(rank, ws, compiled=False):
+def _mappings_check(rank, ws, g, compiled=False, salt=0):
+    """Every mapping on group ``g``, of which this process is rank ``rank`` of ``ws``. ``salt``: seeds the data, so
+    that disjoint groups (e.g. two tp groups of 4 in 8 ranks, salt = group index) hold different tensors."""
     def check(*args):
         _check(*args, compiled=compiled)
 
-    g = world_group()
-    full = _ints(0, S, B, H)                            # the same full tensor on every rank
-    per_rank = [_ints(100 + r, S, B, H) for r in range(ws)]  # a different full-size tensor per rank
+    full = _ints(salt * 1000, S, B, H)                  # the same full tensor on every rank
+    per_rank = [_ints(salt * 1000 + 100 + r, S, B, H) for r in range(ws)]  # a different full-size tensor per rank
     total = sum(per_rank)
     hs, ss = H // ws, S // ws
     hsl = slice(rank * hs, (rank + 1) * hs)
@@ -95,6 +98,10 @@ def _mappings_worker(rank, ws, compiled=False):
     hp_want = gathered_s.reshape(S * B, H)[:, hsl]  # the hidden shard of the logical full tensor
     check(lambda x: M.all_to_all_sp2hp(x, g), sp, hp_want, hp_want, sp, "all_to_all_sp2hp")
     check(lambda x: M.all_to_all_hp2sp(x, g), hp_want, sp, sp, hp_want, "all_to_all_hp2sp")
+
+
+def _mappings_worker(rank, ws, compiled=False):
+    _mappings_check(rank, ws, world_group(), compiled)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

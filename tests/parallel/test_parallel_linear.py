@@ -1,5 +1,6 @@
-"""ColumnParallelLinear -> RowParallelLinear (an MLP without activation) on 2 and 4 gloo ranks against the same
-layers built unsharded (fp8engine.Linear) from the same seed: outputs, input grads, weight/bias grads."""
+"""ColumnParallelLinear -> RowParallelLinear (an MLP without activation) on 2 and 4 gloo ranks (8 ranks in
+test_world_size_8.py) against the same layers built unsharded (fp8engine.Linear) from the same seed: outputs, input
+grads, weight/bias grads."""
 import pytest
 import torch
 
@@ -97,11 +98,15 @@ def _check_options(rank, ws, g):
     torch.testing.assert_close(col.bias.grad, shard(ref_col.bias.grad, 0, rank, ws), **tol)
 
 
-def _hp_worker(rank, ws):
-    g = world_group()
+def _hp_check(rank, ws, g):
+    """The float64 checks on group ``g``, of which this process is rank ``rank`` of ``ws``."""
     _check_hp(rank, ws, g, sp=False)
     _check_hp(rank, ws, g, sp=True)
     _check_options(rank, ws, g)
+
+
+def _hp_worker(rank, ws):
+    _hp_check(rank, ws, world_group())
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

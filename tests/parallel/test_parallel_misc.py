@@ -1,5 +1,6 @@
 """VocabParallelEmbedding, vocab_parallel_cross_entropy, broadcast_data, the 1-D split helpers, the RNG tracker
-and the inference layers on 2 gloo ranks, each against its unsharded single-process reference."""
+and the inference layers on 2 gloo ranks (8 ranks in test_world_size_8.py), each against its unsharded single-process
+reference."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,11 +110,15 @@ def _inference(rank, ws, g):
     torch.testing.assert_close(out, shard(want_resid - resid, 0, rank, ws), rtol=1e-12, atol=1e-12)
 
 
-def _misc_worker(rank, ws):
-    g = world_group()
+def _misc_check(rank, ws, g):
+    """All of the above on group ``g``, of which this process is rank ``rank`` of ``ws``."""
     _embedding_and_loss(rank, ws, g)
     _data_and_utils(rank, ws, g)
     _inference(rank, ws, g)
+
+
+def _misc_worker(rank, ws):
+    _misc_check(rank, ws, world_group())
 
 
 def test_embedding_loss_data_rng_inference_2_ranks():

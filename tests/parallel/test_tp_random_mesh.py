@@ -55,7 +55,7 @@ def test_checkpoint_matches_plain_backward(fp8):
         for step in range(2):  # step 2 runs after a scale update: the recompute must use the forward's scales
             lin.weight.grad = x.grad = None
             with autocast(enabled=fp8, recipe=recipe):
-                y = checkpoint(fn, x, rng_tracker=tracker) if use_ckpt else fn(x)
+                y = checkpoint(fn, False, x, rng_tracker=tracker) if use_ckpt else fn(x)
             (y * torch.linspace(-1, 1, 32)).sum().backward()
         results.append((y.detach(), x.grad, lin.weight.grad, lin.fp8_state.amax_history.clone(),
                         lin.fp8_state.scale.clone()))
