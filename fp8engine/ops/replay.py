@@ -995,9 +995,10 @@ class Pair:
 #: ``FP8ENGINE_REPLAY=check`` (read at import): a cache stores each recorded :class:`Pair` as a :class:`Checked`,
 #: which runs the replay and the ordinary code side by side and compares their bits (module docstring).
 CHECK = os.environ.get("FP8ENGINE_REPLAY", "1") == "check"
-#: Configurations a :class:`ProgramCache` keeps (least recently used out first). A training run has a handful
-#: (``tests/ops/test_replay.py``); each program holds its compiled function and constants (a few hundred KiB for
-#: the layer step), so 256 bound the cache's memory to tens of MiB.
+#: Configurations a :class:`ProgramCache` keeps (least recently used out first). A steady training run has a
+#: handful; a program holds no tensor (the recorder refuses those it neither takes nor makes), only its generated
+#: source (10-15 KB for the layer step's forward and backward on CPU), code and constants, so 256 of them hold a
+#: few MiB of host memory.
 MAX_PROGRAMS = 256
 #: Recordings at a configuration's first call a :class:`ProgramCache` makes before it records a configuration only
 #: at its second call. Why: a recording costs host time (the recorder's mode around every torch call, the program's
@@ -1116,9 +1117,10 @@ class Checked:
     ``forward(inputs, eager, eager_backward)`` -> ``(outputs, (backward, saved))``: ``eager()`` runs the ordinary
     forward and returns what the pair's forward returns (its outputs); ``eager_backward(*backward_inputs)`` runs
     the ordinary backward. The second result takes the place of ``(pair, saved)``: ``backward.backward(inputs,
-    saved)`` checks the backward as the forward. The step's written tensors are its inputs (a tensor the recording
-    does not know aborts it), compared after the replay and after the ordinary code, each run from the inputs as
-    they were (the replay's writes undone)."""
+    saved)`` checks the backward as the forward. The tensors a step may write are its inputs (a tensor the recording
+    does not know aborts it; for the backward, the forward's inputs then its own, numbered so in the error),
+    compared after the replay and after the ordinary code, each run from the inputs as they were (the other's
+    writes undone)."""
 
     def __init__(self, pair: Pair):
         self.pair = pair
