@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.ops import gemm as gemm_path
-from fp8engine.ops import replay
+from fp8engine.ops import replay, replay_cache
 from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.gemm import fp8_fprop
 from fp8engine.ops.linear import dgrad_wgrad
@@ -106,8 +106,8 @@ REPLAY = os.environ.get("FP8ENGINE_REPLAY", "1") != "0"
 #: replay key -> :class:`~fp8engine.ops.replay.Pair` (replayed; a ``Checked`` under ``FP8ENGINE_REPLAY=check``),
 #: the number of recordings started, or the reason the configuration is not replayed (str). Process-wide, bounded
 #: (least recently used out first) and with a budget of recordings at a configuration's first call:
-#: :class:`~fp8engine.ops.replay.ProgramCache`.
-_PROGRAMS = replay.ProgramCache()
+#: :class:`~fp8engine.ops.replay_cache.ProgramCache`.
+_PROGRAMS = replay_cache.ProgramCache()
 
 
 class _FP8TransformerLayer(torch.autograd.Function):
@@ -131,7 +131,7 @@ class _FP8TransformerLayer(torch.autograd.Function):
             ctx.save_for_backward(x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2)  # autograd's in-place checks, as below
             ctx.replayed = (state, saved)
             return out
-        if type(state) is replay.Checked:  # FP8ENGINE_REPLAY=check: the replay and this Python, bits compared
+        if type(state) is replay_cache.Checked:  # FP8ENGINE_REPLAY=check: the replay and this Python, bits compared
             (out,), ctx.replayed = state.forward(inputs, lambda: (_forward(ctx, x, params, p),),
                                                  lambda dout: _backward(ctx, dout, backward_keeps_graph(_STEP)))
             return out

@@ -12,7 +12,7 @@ import fp8engine.ops.layer as layer_mod
 from fp8engine.fp8.float8_tensor import kernels_forced
 from fp8engine.kernels._common import interpreting
 from fp8engine.modules import RotaryEmbedding, TransformerLayer
-from fp8engine.ops import replay
+from fp8engine.ops import replay, replay_cache
 from tests.conftest import sqnr
 
 H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
@@ -21,8 +21,8 @@ H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
 @pytest.fixture(autouse=True)
 def _unchecked(monkeypatch):
     """These tests look at the stored programs themselves: ``FP8ENGINE_REPLAY=check`` (which stores them as
-    ``replay.Checked``) off, whatever the environment says (``tests/ops/test_replay_fail_closed.py`` tests it)."""
-    monkeypatch.setattr(replay, "CHECK", False)
+    ``replay_cache.Checked``) off, whatever the environment says (``tests/ops/test_replay_fail_closed.py`` tests it)."""
+    monkeypatch.setattr(replay_cache, "CHECK", False)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import fp8engine.ops.layer as layer_mod
 from fp8engine.fp8.float8_tensor import kernels_forced
 from fp8engine.kernels._common import interpreting
 from fp8engine.modules import RotaryEmbedding, TransformerLayer
-from fp8engine.ops import replay
+from fp8engine.ops import replay, replay_cache
 
 H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
 
@@ -31,7 +31,7 @@ class _Cached:
     as :class:`fp8engine.ops.layer._FP8TransformerLayer` does (one program, no backward). ``replays`` counts the
     calls that ran a program."""
 
-    def __init__(self, fn, cache: replay.ProgramCache):
+    def __init__(self, fn, cache: replay_cache.ProgramCache):
         self.fn, self.cache, self.replays = fn, cache, 0
 
     def __call__(self, *inputs):
@@ -56,7 +56,7 @@ class _Cached:
 @pytest.fixture(autouse=True)
 def _unchecked(monkeypatch):
     """``FP8ENGINE_REPLAY=check`` off (the environment may set it): the check tests turn it on themselves."""
-    monkeypatch.setattr(replay, "CHECK", False)
+    monkeypatch.setattr(replay_cache, "CHECK", False)
 
 
 def _record(fn, *inputs):
@@ -104,7 +104,7 @@ def test_a_branch_on_a_tensor_value_runs_the_ordinary_code_every_time():
         if a.sum() > 0:
             return a * 2
         return a - 1
-    cache = replay.ProgramCache()
+    cache = replay_cache.ProgramCache()
     run = _Cached(fn, cache)
     for sign in (1, -1, 1, -1):
         a = torch.rand(8) * sign
@@ -116,7 +116,7 @@ def test_a_branch_on_a_tensor_value_runs_the_ordinary_code_every_time():
 def test_a_slice_by_item_runs_the_ordinary_code_every_time():
     def fn(a, b):
         return b[: int(a[0].item())] * 2
-    cache = replay.ProgramCache()
+    cache = replay_cache.ProgramCache()
     run = _Cached(fn, cache)
     b = torch.randn(10)
     for n in (3, 7, 5):
@@ -217,7 +217,7 @@ def test_a_packet_whose_out_overload_is_not_called_does_not_write():
 def test_the_miss_budget_stops_recording_configurations_seen_once():
     """After ``miss_budget`` recordings at a configuration's first call, a new configuration runs the ordinary
     code; one that comes back is recorded at its second call and replayed after."""
-    cache = replay.ProgramCache(miss_budget=3)
+    cache = replay_cache.ProgramCache(miss_budget=3)
     run = _Cached(lambda a: a * 2 + 1, cache)
     for n in range(1, 9):  # eight shapes, each once
         a = torch.randn(n)
@@ -231,7 +231,7 @@ def test_the_miss_budget_stops_recording_configurations_seen_once():
 
 
 def test_the_cache_is_bounded_least_recently_used_out_first():
-    cache = replay.ProgramCache(size=2)
+    cache = replay_cache.ProgramCache(size=2)
     run = _Cached(lambda a: a + 1, cache)
     a, b, c = torch.randn(1), torch.randn(2), torch.randn(3)
     run(a), run(b)
@@ -246,7 +246,7 @@ def test_the_cache_is_bounded_least_recently_used_out_first():
 def test_fused_step_records_at_most_the_budget_of_new_shapes(monkeypatch):
     """A run whose sequence length changes at every step: the layer records ``miss_budget`` of them, then runs the
     ordinary step (the same results as replay off)."""
-    monkeypatch.setattr(layer_mod, "_PROGRAMS", replay.ProgramCache(miss_budget=2))
+    monkeypatch.setattr(layer_mod, "_PROGRAMS", replay_cache.ProgramCache(miss_budget=2))
     recordings = []
     real = replay.Recorder.__init__
     monkeypatch.setattr(replay.Recorder, "__init__", lambda self, inputs, outer=None: (
@@ -290,14 +290,14 @@ def _layer_steps(layer, xs, gs, recipe, on: bool, rope=None, kernels=False):
 
 
 def test_check_mode_is_read_from_the_environment():
-    code = "import fp8engine.ops.replay as r, fp8engine.ops.layer as l; print(r.CHECK, l.REPLAY)"
+    code = "import fp8engine.ops.replay_cache as r, fp8engine.ops.layer as l; print(r.CHECK, l.REPLAY)"
     env = {**os.environ, "FP8ENGINE_REPLAY": "check"}
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert got.stdout.split() == ["True", "True"]
 
 
 def _check_run(recipe, rope: bool, kernels: bool, steps: int, corrupt=None):
-    """``steps`` layer steps under ``FP8ENGINE_REPLAY=check`` (``replay.CHECK``), ``corrupt(checked)`` applied to
+    """``steps`` layer steps under ``FP8ENGINE_REPLAY=check`` (``replay_cache.CHECK``), ``corrupt(checked)`` applied to
     the stored program after the first; against the same steps with replay off. Returns how many forwards and
     backwards were checked."""
     torch.manual_seed(0)
@@ -307,7 +307,7 @@ def _check_run(recipe, rope: bool, kernels: bool, steps: int, corrupt=None):
     xs = [torch.randn(S, B, H) for _ in range(steps)]
     gs = [torch.randn(S, B, H) for _ in range(steps)]
     counts = {"forward": 0, "backward": 0}
-    real_f, real_b = replay.Checked.forward, replay._CheckedBackward.backward
+    real_f, real_b = replay_cache.Checked.forward, replay_cache._CheckedBackward.backward
 
     def fwd(self, *a):
         counts["forward"] += 1
@@ -317,20 +317,20 @@ def _check_run(recipe, rope: bool, kernels: bool, steps: int, corrupt=None):
         counts["backward"] += 1
         return real_b(self, *a)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(replay, "CHECK", True)
-        mp.setattr(replay.Checked, "forward", fwd)
-        mp.setattr(replay._CheckedBackward, "backward", bwd)
+        mp.setattr(replay_cache, "CHECK", True)
+        mp.setattr(replay_cache.Checked, "forward", fwd)
+        mp.setattr(replay_cache._CheckedBackward, "backward", bwd)
         if corrupt is not None:
-            real_setitem = replay.ProgramCache.__setitem__
+            real_setitem = replay_cache.ProgramCache.__setitem__
 
             def setitem(cache, key, value):
                 real_setitem(cache, key, value)
-                if type(cache[key]) is replay.Checked:
+                if type(cache[key]) is replay_cache.Checked:
                     corrupt(cache[key])
-            mp.setattr(replay.ProgramCache, "__setitem__", setitem)
+            mp.setattr(replay_cache.ProgramCache, "__setitem__", setitem)
         a, cache, _ = _layer_steps(on, xs, gs, recipe, True, freqs, kernels)
     b, _, _ = _layer_steps(off, xs, gs, recipe, False, freqs, kernels)
-    assert [type(v) for v in cache.values()] == [replay.Checked], cache
+    assert [type(v) for v in cache.values()] == [replay_cache.Checked], cache
     for (y1, dx1), (y2, dx2) in zip(a, b):
         assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
     for (name, p1), p2 in zip(on.named_parameters(), off.parameters()):
@@ -367,13 +367,13 @@ def _perturb_output(program, index: int):
 
 
 def test_check_mode_names_a_corrupted_forward_output():
-    with pytest.raises(replay.ReplayMismatch, match="replayed forward's output 0 differs"):
+    with pytest.raises(replay_cache.ReplayMismatch, match="replayed forward's output 0 differs"):
         _check_run(fp8engine.DelayedScaling(), False, False, 2, lambda c: _perturb_output(c.pair.fwd, 0))
 
 
 def test_check_mode_names_a_corrupted_gradient():
     """The backward's output 3: the QKV weight's gradient (x, the first norm's weight and bias come before)."""
-    with pytest.raises(replay.ReplayMismatch, match="replayed backward's output 3 differs"):
+    with pytest.raises(replay_cache.ReplayMismatch, match="replayed backward's output 3 differs"):
         _check_run(fp8engine.DelayedScaling(), False, False, 2, lambda c: _perturb_output(c.pair.bwd, 3))
 
 
@@ -387,5 +387,5 @@ def test_check_mode_names_a_corrupted_written_tensor():
             inputs[-1].add_(1.0)
             return result
         checked.pair.fwd._fn = fn
-    with pytest.raises(replay.ReplayMismatch, match=r"input \d+ of the replayed forward, which the step writes"):
+    with pytest.raises(replay_cache.ReplayMismatch, match=r"input \d+ of the replayed forward, which the step writes"):
         _check_run(fp8engine.DelayedScaling(), False, False, 2, corrupt)
