@@ -44,9 +44,9 @@ def kernel_op(name: str, mutates_args: tuple = ()):
     Why not ``torch.library.custom_op``: its Python dispatch wrapper costs more per call than the work of launching a
     kernel, paid at run time by every call a compiled graph makes of an opaque op: on this package's 2-core CPU
     machine, for a cast-like signature (a mutated optional tensor, a dtype), ~100 us over the function itself
-    against ~13 us for a ``Library`` registration (``python tools/op_overhead.py``). The ops take no gradient (they
-    run inside this package's ``autograd.Function`` classes or compiled backward graphs), and the mutation each declares
-    in its schema is what functionalization reads under ``torch.compile``, as for ``custom_op``."""
+    against ~13 us for a ``Library`` registration (``python tools/op_overhead.py@d6af129``). The ops take no gradient
+    (they run inside this package's ``autograd.Function`` classes or compiled backward graphs), and the mutation each
+    declares in its schema is what functionalization reads under ``torch.compile``, as for ``custom_op``."""
     def define(fn):
         _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
         _LIB.impl(name, fn, "CompositeExplicitAutograd")

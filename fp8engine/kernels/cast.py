@@ -59,8 +59,8 @@ __all__ = [
 #: Elements per program of the flat cast / amax kernel. 8192 is the block of the ANCHORS.md measurement
 #: (bf16 -> e4m3, 32768 x 4096, 3.62 TB/s on H200); num_warps left at Triton's default.
 CAST_BLOCK = 8192
-#: Tile of the cast-transpose kernels (rows x cols). Chosen by tools/cast_transpose_tiles.py on H200 (Triton 3.6,
-#: bf16 -> e4m3, 32768x4096, 8192x16384, 8192x4096; tiles 32..128 x 64..256, 4 or 8 warps): 64 x 128 with 4 warps
+#: Tile of the cast-transpose kernels (rows x cols). Chosen by tools/cast_transpose_tiles.py@d6af129 on H200 (Triton
+#: 3.6, bf16 -> e4m3, 32768x4096, 8192x16384, 8192x4096; tiles 32..128 x 64..256, 4 or 8 warps): 64 x 128 with 4 warps
 #: was fastest at every shape (3.0-3.6 TB/s with the hardware conversion, vs 2.3-2.6 for 64 x 64).
 TILE_M = 64
 TILE_N = 128
@@ -69,8 +69,8 @@ TILE_WARPS = 4
 
 def _hw_cvt_ok(m: int, n: int, dtype: torch.dtype) -> bool:
     """Whether the tiled kernel may use Triton's FP8 conversion for an ``[m, n]`` input of ``dtype``: 16-bit
-    inputs on full tiles, the case tools/cast_transpose_tiles.py verified bit-exact on H200 (both copies, all tile
-    shapes swept). fp32 inputs (wrong bytes there with every tile shape) and partial tiles take the inline-PTX
+    inputs on full tiles, the case tools/cast_transpose_tiles.py@d6af129 verified bit-exact on H200 (both copies, all
+    tile shapes swept). fp32 inputs (wrong bytes there with every tile shape) and partial tiles take the inline-PTX
     conversion (see fp8_cvt_mode)."""
     return dtype in (torch.bfloat16, torch.float16) and m % TILE_M == 0 and n % TILE_N == 0
 

@@ -9,7 +9,7 @@ the one it can, at less host cost (:func:`gemm`: the same cuBLASLt call, planned
 fp32 write and two fp32 reads of the weight's size). TransformerEngine makes the same cuBLASLt call with
 ``accumulate=True`` for its wgrad into ``main_grad``. The GELU epilogue lets fc1's fprop write the FP8 GELU output
 (and the pre-activation for the backward) itself, instead of a bf16 output that an activation kernel reads again
-(H200, 2026-11-21: the fc1 GEMM + activation pair 0.991 vs 1.067 ms in ``python tools/gelu_epilogue_variants.py
+(H200, 2026-11-21: the fc1 GEMM + activation pair 0.991 vs 1.067 ms in ``python tools/gelu_epilogue_variants.py@d6af129
 --rounds 5``, the layer step -0.20 ms back-to-back in ``python -m fp8engine.bench layer --graph --rounds 3``; the
 backward's ``DGELU_BGRAD`` has no FP8-output kernel there, status 15, and with a bf16 output it is slower than the
 GEMM + Triton kernel).
@@ -132,8 +132,8 @@ class _Plan:
     ``_EPILOGUE_GELU_AUX_BIAS`` the bias and the aux output are of
     ``hp_type`` (aux ``[m, n]``, leading dim m) and D is FP8, whose C layout must be ``hp_type`` too (C is not read:
     beta = 0, passed as NULL). ``extra_attrs``: more ``(cublasLtMatmulDescAttributes_t, ctypes value)`` pairs set on
-    the descriptor before the heuristic is asked (``tools/probe_block_gemm.py --algos``: the block scale modes and
-    their scale pointers).
+    the descriptor before the heuristic is asked (``tools/probe_block_gemm.py@d6af129 --algos``: the block scale modes
+    and their scale pointers).
     """
 
     def __init__(self, lib: _Lib, handle: ctypes.c_void_p, m: int, n: int, k: int, a_type: int, b_type: int,
@@ -392,8 +392,8 @@ def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_in
     for a 32 MiB workspace (torch's Hopper default), so the same bits (``tests/ops/test_gemm_cublaslt.py`` compares
     them on the GPU). torch sets up descriptors and asks the heuristic on every call; this plans each configuration
     once (:class:`_Site`), and a replayed step calls the planned site alone: 13.6 host us against
-    ``torch._scaled_mm``'s 19.9 in ``python tools/gemm_cublaslt_choices.py --host-only`` (this function with its key
-    and output allocation: 19.9), the FP8 delayed layer step at ``[128, 1, 256]`` 2-10 % less host time
+    ``torch._scaled_mm``'s 19.9 in ``python tools/gemm_cublaslt_choices.py@d6af129 --host-only`` (this function with its
+    key and output allocation: 19.9), the FP8 delayed layer step at ``[128, 1, 256]`` 2-10 % less host time
     (``python tools/layer_host_time.py``'s ``torch._scaled_mm`` rows; one H100 80GB HBM3, torch 2.11.0+cu130,
     2026-11-27).
 
@@ -452,8 +452,9 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
               algo_index: int = 0) -> None:
     """``out (+)= (a * a_scale_inv) @ (b * b_scale_inv).T`` through cuBLASLt; ``out`` float32 / bfloat16 / float16
     ``[M, N]`` contiguous. ``algo_index`` picks the i-th algorithm of cuBLASLt's heuristic ranking (0 = its first
-    choice, what ``torch._scaled_mm`` runs); ``tools/gemm_cublaslt_choices.py`` times the others. Operands and errors as
-    :func:`scaled_mm_accumulate`; IndexError when the heuristic returns fewer than ``algo_index + 1`` algorithms.
+    choice, what ``torch._scaled_mm`` runs); ``tools/gemm_cublaslt_choices.py@d6af129`` times the others. Operands and
+    errors as :func:`scaled_mm_accumulate`; IndexError when the heuristic returns fewer than ``algo_index + 1``
+    algorithms.
     """
     _require_context("scaled_mm")
     if out.dtype not in _OUT_CUDA_TYPE:

@@ -71,12 +71,12 @@ __all__ = [
 #: Widest row supported: the tutorial's 64 KB-per-row limit for 16-bit inputs.
 MAX_N = 32768
 #: Elements of one program's [BLOCK_M, BLOCK_N] tile: rows per program = max(1, NORM_TILE // BLOCK_N), so narrow
-#: rows are batched (N = 1024 -> 4 rows) and rows >= 4096 get one program each. tools/norm_kernel_tiles.py on H200
-#: (8192 x 4096 bf16, FP8 output): 1 row per program at 4 / 8 / 16 warps 55 / 57 / 62 us, 2 rows 59-71, 4 rows 84.
+#: rows are batched (N = 1024 -> 4 rows) and rows >= 4096 get one program each. tools/norm_kernel_tiles.py@d6af129 on
+#: H200 (8192 x 4096 bf16, FP8 output): 1 row per program at 4 / 8 / 16 warps 55 / 57 / 62 us, 2 rows 59-71, 4 rows 84.
 NORM_TILE = 4096
 #: Programs of the backward pass = min(row tiles, NORM_BWD_WAVES * SM count): each program loops over row tiles
-#: and owns one row of the dgamma partial buffer. tools/norm_kernel_tiles.py on H200, 8192 x 4096 bf16: 1 / 2 / 4 / 8
-#: waves took 110 / 79 / 90 / 113 us.
+#: and owns one row of the dgamma partial buffer. tools/norm_kernel_tiles.py@d6af129 on H200, 8192 x 4096 bf16:
+#: 1 / 2 / 4 / 8 waves took 110 / 79 / 90 / 113 us.
 NORM_BWD_WAVES = 2
 #: Under TRITON_INTERPRET the per-program overhead dominates; cap the backward programs instead.
 INTERPRET_BWD_PROGRAMS = 8
@@ -86,7 +86,7 @@ INTERPRET_BWD_PROGRAMS = 8
 def _tile(n: int) -> tuple[int, int, int]:
     block_n = next_power_of_2(max(n, 1))
     block_m = max(1, min(64, NORM_TILE // block_n))
-    num_warps = min(16, max(4, block_n // 1024))  # more warps for wider rows; N = 4096: 4 (tools/norm_kernel_tiles.py)
+    num_warps = min(16, max(4, block_n // 1024))  # wider rows, more warps; N = 4096: 4 (NORM_TILE's tool)
     return block_m, block_n, num_warps
 
 

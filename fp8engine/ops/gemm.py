@@ -153,8 +153,9 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     runs :func:`fp8_gemm` plus the activation kernel instead (also for M = 0).
 
     Numerics: GELU is applied by cuBLASLt to the fp32 ``h`` (the unfused path applies it to ``h`` rounded to
-    ``out_dtype``), so about 2 % of the FP8 bytes differ by one step (H200, ``python tools/gelu_epilogue_variants.py``,
-    2026-11-21); ``h`` itself is the same. ``scale_inv`` is ``1 / scale`` (IEEE division, as the cast kernels write it).
+    ``out_dtype``), so about 2 % of the FP8 bytes differ by one step (H200, 2026-11-21,
+    ``python tools/gelu_epilogue_variants.py@d6af129``); ``h`` itself is the same. ``scale_inv`` is ``1 / scale``
+    (IEEE division, as the cast kernels write it).
     Args: a ``[M, K]`` / b ``[N, K]`` Float8Tensors (data viewed as 2-D); bias ``[N]``; scale / amax_out
     1-element float32 (``amax_out`` None: amax not recorded).
     Under ``torch.compile`` this runs inside the custom op :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8`, which

@@ -4,9 +4,9 @@ Why: the fused FP8 layer step (:mod:`fp8engine.ops.layer`) issues the same ops, 
 non-tensor arguments, on every call of a given configuration (shapes, dtypes, recipe, options), and at small
 shapes its time is the host's. About half of that host time is the Python around the ops -- the wrappers'
 checks, the quantizer and Float8Tensor objects, the choice of kernel -- not the ops themselves (H100,
-``[128, 1, 256]``, ``python tools/host_op_share.py``: the FP8 delayed step's top-level ATen ops and kernel launches
-take 2.69 of its 5.75 profiled ms, where the plain PyTorch bf16 block's take 2.27 of 3.41 ms). A replay runs only the
-ops.
+``[128, 1, 256]``, ``python tools/host_op_share.py@d6af129``: the FP8 delayed step's top-level ATen ops and kernel
+launches take 2.69 of its 5.75 profiled ms, where the plain PyTorch bf16 block's take 2.27 of 3.41 ms). A replay runs
+only the ops.
 
 How:
 

@@ -71,7 +71,7 @@ def test_epilogue_is_gelu_tanh():
 @pytest.mark.parametrize("m", [8192, 1151], ids=["m8192", "m1151"])
 def test_matches_gemm_then_activation(m, dtype):
     # Against the unfused path (_scaled_mm with the bias epilogue, then the Triton GELU kernel on the bf16 h):
-    # h bit-identical (same GEMM and bias rounding: H200, tools/gelu_epilogue_variants.py), the FP8 activation
+    # h bit-identical (same GEMM and bias rounding: H200, tools/gelu_epilogue_variants.py@d6af129), the FP8 activation
     # within one E4M3 step where it differs (GELU of the fp32 vs of the bf16-rounded h; ~2 % of the bytes on H200),
     # both equally close to float64 GELU of h, and the amax recorded by max-accumulation into the history slot.
     g = torch.Generator().manual_seed(1)
