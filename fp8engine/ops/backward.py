@@ -26,6 +26,10 @@ def backward_keeps_graph(op: str) -> bool:
             Hessian-vector product): the FP8 GEMMs and casts record no graph, so the gradients returned could not
             be differentiated again and a second-order term would silently be missing. ``op`` names the op.
     """
+    if torch.compiler.is_compiling():
+        # a backward traced by torch.compile (AOTAutograd) runs as a graph that keeps what it saved by itself; the
+        # graph task's flag is no traceable call, and clearing Python attributes in a trace changes nothing
+        return True
     if torch.is_grad_enabled():  # (the engine runs a backward in grad mode exactly under create_graph=True)
         raise RuntimeError(
             f"{op}: no double backward (create_graph=True): its FP8 GEMMs and casts record no autograd graph, so "
