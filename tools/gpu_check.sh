@@ -24,7 +24,8 @@ status=0
 want() { [[ " $PHASES " == *" $1 "* || " $PHASES " == *" all "* ]]; }
 phase() {  # phase NAME COMMAND...: run, tee to OUT/NAME.log, remember failure
   local name=$1; shift
-  echo "=== $name: $*" | tee -a "$OUT/summary.txt"
+  local cmd="$*"
+  echo "=== $name: ${cmd:0:300}" | tee -a "$OUT/summary.txt"  # (a shard's test ids cut short)
   local t0=$SECONDS
   "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
