@@ -10,6 +10,7 @@ import argparse
 import importlib
 import itertools
 import re
+import subprocess
 import shlex
 from pathlib import Path
 
@@ -150,7 +151,7 @@ def _paths(text: str) -> set[str]:
     """Repository paths named in ``text``: code spans and link targets under tools/, fp8engine/, tests/, examples/,
     docs/, kernels/ (short for fp8engine/kernels/) or img/ (beside docs/benchmarks.md)."""
     candidates = re.findall(r"`([^`\s]+)`", text) + re.findall(r"\]\(([^)#\s]+)", text)
-    candidates += re.findall(r"\b(?:python |torchrun \S+ \S+ )(tools/\S+\.py)", text)
+    candidates += re.findall(r"\b(?:python |torchrun \S+ \S+ )(tools/\S+\.py)(?!@)", text)  # (@rev: below)
     return {c for c in candidates
             if re.match(r"(tools|fp8engine|tests|examples|docs|kernels|img)/[\w./-]*\w$", c)}
 
@@ -165,3 +166,8 @@ def test_named_files_exist(name):
     missing = [p for p in sorted(paths)
                if not any((root / p).exists() for root in (REPO, base, REPO / "fp8engine"))]
     assert not missing, f"{name} names files that do not exist: {missing}"
+    # a removed tool is cited with the commit that has it (tools/README.md): it must be there
+    for path, rev in re.findall(r"\b(tools/[\w.-]+\.(?:py|sh))@([0-9a-f]{7,40})\b", text):
+        if (REPO / ".git").exists():
+            found = subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=REPO, capture_output=True)
+            assert found.returncode == 0, f"{name} cites {path}@{rev}, which git does not have"
