@@ -103,8 +103,9 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     4-byte-aligned output: status 15), it is :func:`fp8_mm` into float32 plus ``out.add_``. Both add the same fp32
     GEMM result to ``out`` (bit-identical on H200 in ``tests/ops/test_gemm_accumulate.py``, up to the algorithm
     cuBLASLt picks). Code traced by ``torch.compile`` on CUDA calls the custom op
-    :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8` instead (:func:`fp8engine.ops.linear.dgrad_wgrad` picks it),
-    which runs this function (mutating ``out`` in place); traced here, it runs the unfused ``fp8_mm`` + ``add_``.
+    :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8` instead (picked by
+    :func:`fp8engine.ops.linear.fp8_wgrad_accumulate`), which runs this function (mutating ``out`` in place); traced
+    here, it runs the unfused ``fp8_mm`` + ``add_``.
     Operands and errors as :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also ``TypeError`` when ``out`` is not
     float32 and ``ValueError`` when it is not shaped ``[M, N]``.
     """

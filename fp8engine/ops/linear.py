@@ -40,7 +40,7 @@ from fp8engine.ops.gemm import fp8_fprop, fp8_mm, fp8_mm_accumulate
 from fp8engine.ops.gemm_ops import compiled_gemm_ops, mm_accumulate_fp8
 
 __all__ = ["linear", "fp8_linear", "linear_input", "output_leading_dims", "LINEAR_ROLES", "main_grad_of",
-           "accumulate_wgrad", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
+           "accumulate_wgrad", "fp8_wgrad_accumulate", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")
@@ -60,8 +60,17 @@ def main_grad_of(weight: torch.Parameter) -> torch.Tensor:
     return main_grad
 
 
-def _mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner):
-    fp8_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner=pad_inner)
+def fp8_wgrad_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                         out: torch.Tensor) -> None:
+    """``out += (a * a_scale_inv) @ (b * b_scale_inv).T``, a wgrad ``[N, K]`` accumulated into fp32 ``main_grad``
+    (FP8 ``a [N, M]``, ``b [K, M]``, the token dim ``M`` zero-padded to 16): :func:`fp8_mm_accumulate` (cuBLASLt
+    with beta = 1 on CUDA) in eager code; traced by ``torch.compile`` on CUDA, its custom op
+    :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8` (Dynamo cannot trace the ctypes call). Errors as
+    :func:`fp8_mm_accumulate`."""
+    if compiled_gemm_ops(out):
+        mm_accumulate_fp8(a, a_scale_inv, b, b_scale_inv, out, True)
+    else:
+        fp8_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner=True)
 
 
 def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
@@ -202,9 +211,7 @@ def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple]
         x_t = (x_total.transpose_2d(), x_total.scale_inv)
     if x_t is not None:
         if fuse_wgrad:
-            # traced by torch.compile on CUDA: the accumulating GEMM as an opaque op (ops/gemm_ops.py), else eager's
-            accumulate = mm_accumulate_fp8 if compiled_gemm_ops(x_t[0]) else _mm_accumulate
-            accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], main_grad_of(weight), True)
+            fp8_wgrad_accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], main_grad_of(weight))
         else:
             dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], weight.dtype, pad_inner=True)
     if work is not None:

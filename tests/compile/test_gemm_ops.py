@@ -196,7 +196,7 @@ def test_ops_equal_eager_cublaslt(m):
 
 @cuda
 def test_compiled_routing_equals_eager_cublaslt(monkeypatch):
-    """Exact (CUDA, not forced): compiled ``fc1_fprop_act`` (gelu, delayed scaling) and ``fp8_mm_accumulate`` call
+    """Exact (CUDA, not forced): compiled ``fc1_fprop_act`` (gelu, delayed scaling) and ``fp8_wgrad_accumulate`` call
     cuBLASLt through the ops (counted at run time: once each per call) and write eager mode's bits: ``h``, the FP8
     activation, its ``scale_inv``, the amax history slot, and ``main_grad``. Without the routing the compiled fc1
     would run ``_scaled_mm`` + the activation op (about 2 % of the FP8 bytes one step off, and no cuBLASLt call)."""
@@ -210,7 +210,7 @@ def test_compiled_routing_equals_eager_cublaslt(monkeypatch):
     def step(quantizer, main_grad, x8, w8, dy_t, x_t):
         h, y = mlp_ops.fc1_fprop_act(Float8Tensor(x8, x.scale_inv, BF16), Float8Tensor(w8, w.scale_inv, BF16),
                                      bias, BF16, "gelu", quantizer, transpose=False, gelu_epilogue=True)
-        gemm.fp8_mm_accumulate(dy_t, dy.scale_inv, x_t, x.scale_inv, main_grad, pad_inner=True)
+        linear_ops.fp8_wgrad_accumulate(dy_t, dy.scale_inv, x_t, x.scale_inv, main_grad)
         return h, y.data.view(torch.uint8), y.scale_inv
 
     results = []
