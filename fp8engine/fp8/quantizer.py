@@ -91,7 +91,7 @@ class Quantizer:
         kernel derive the scale from it on the device (no host synchronisation). The amax is torch's inf-norm
         reduction (exact: a max of values of ``x``'s dtype; NaN gives NaN, which the kernel, like an inf amax,
         turns into scale 1.0): one dispatched op where a zero-filled buffer plus a Triton amax launch cost about
-        twice the host time per cast (``python tools/layer_host_profile.py --recipe current``). It stays in x's
+        twice the host time per cast (``python tools/layer_host_time.py --profile current``). It stays in x's
         dtype (exact: a value of x) and the cast kernel converts it as it loads it: a ``.float()`` op per cast
         saved (12-30 host us each in the replayed current-scaling step, H100, commit da4d931, per-line timing by
         the probe kept as ``tools/replay_lines.py``)."""

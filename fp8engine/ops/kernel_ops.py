@@ -4,7 +4,7 @@ Eager code calls the kernels' Python launchers directly (:func:`fp8engine.fp8.fl
 cannot trace those launchers, so under ``torch.compile`` the ops take their plain-PyTorch path and Inductor
 generates the kernels. For the activations that costs time: on the H100 the compiled FP8 layer spent 3.6 ms per step
 in Inductor's cast, GELU and amax kernels where eager mode spends 1.5 ms in ours
-(``tools/compile_kernel_profile.py``, docs/benchmarks.md). The ops below are opaque to Inductor: the compiled graph
+(``python tools/compile_kernel_profile.py``; the figure is that tool's, not re-run since these ops). The ops below are opaque to Inductor: the compiled graph
 calls our kernels (CUDA) or their plain-PyTorch references (any other device), with the same bits.
 
 Each op declares what it mutates (``mutates_args``: the amax slot it max-accumulates into, a view of
