@@ -4,8 +4,9 @@ Eager code calls the kernels' Python launchers directly (:func:`fp8engine.fp8.fl
 cannot trace those launchers, so under ``torch.compile`` the ops take their plain-PyTorch path and Inductor
 generates the kernels. For the activations that costs time: on the H100 the compiled FP8 layer spent 3.6 ms per step
 in Inductor's cast, GELU and amax kernels where eager mode spends 1.5 ms in ours
-(``python tools/compile_kernel_profile.py``; the figure is that tool's, not re-run since these ops). The ops below are opaque to Inductor: the compiled graph
-calls our kernels (CUDA) or their plain-PyTorch references (any other device), with the same bits.
+(``python tools/compile_kernel_profile.py``; that tool's figure, not re-run since these ops). The ops below are
+opaque to Inductor: the compiled graph calls our kernels (CUDA) or their plain-PyTorch references (any other
+device), with the same bits.
 
 Each op declares what it mutates (``mutates_args``: the amax slot it max-accumulates into, a view of
 ``ScalingState.amax_history`` in a compiled forward or of ``grad_amax`` in a compiled backward under delayed
