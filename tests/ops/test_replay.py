@@ -1,7 +1,6 @@
 """Record once, replay many (``fp8engine.ops.replay``) and the fused FP8 layer step's use of it: a replayed step
 runs the recorded ops on the new tensors, so it gives the same bits as the ordinary Python on the same inputs
 (exact: the same ops in the same order); and where a recording is not sound, nothing is replayed."""
-import contextlib
 import copy
 
 import pytest
@@ -12,28 +11,17 @@ import fp8engine.ops.layer as layer_mod
 from fp8engine.fp8.float8_tensor import kernels_forced
 from fp8engine.kernels._common import interpreting
 from fp8engine.modules import RotaryEmbedding, TransformerLayer
-from fp8engine.ops import replay, replay_cache
+from fp8engine.ops import replay
+from tests.ops._ops_test_utils import record, replay_layer_steps, replay_unchecked  # noqa: F401 (autouse fixture)
 from tests.conftest import sqnr
 
 H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
 
 
-@pytest.fixture(autouse=True)
-def _unchecked(monkeypatch):
-    """These tests look at the stored programs themselves: ``FP8ENGINE_REPLAY=check`` (which stores them as
-    ``replay_cache.Checked``) off, whatever the environment says (``tests/ops/test_replay_fail_closed.py`` tests it)."""
-    monkeypatch.setattr(replay_cache, "CHECK", False)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The recorder and the program on small functions
 # ---------------------------------------------------------------------------------------------------------------
-def _record(fn, *inputs):
-    rec = replay.Recorder(inputs)
-    with rec:
-        out = fn(*inputs)
-    return rec, out
-
 
 def test_program_replays_the_recorded_ops_on_new_inputs():
     def fn(a, b):
@@ -44,7 +32,7 @@ def test_program_replays_the_recorded_ops_on_new_inputs():
         b.t()  # nothing reads it: dropped
         return d + b, d
     a, b = torch.randn(3, 4), torch.randn(3, 4)
-    rec, (y, d) = _record(fn, a, b)
+    rec, (y, d) = record(fn, a, b)
     prog = replay.Program(rec, rec.template((y, None, [d])))
     a2, b2 = torch.randn(3, 4), torch.randn(3, 4)
     (y2, none, (d2,)), kept = prog((a2, b2))
@@ -55,7 +43,7 @@ def test_program_replays_the_recorded_ops_on_new_inputs():
 
 def test_recording_aborts_on_a_tensor_from_elsewhere():
     other = torch.randn(3)
-    rec, out = _record(lambda a: a + other, torch.randn(3))
+    rec, out = record(lambda a: a + other, torch.randn(3))
     assert rec.error is not None and "neither an input" in rec.error
     with pytest.raises(replay.RecordAbort):
         replay.Program(rec, rec.template(out))
@@ -66,13 +54,13 @@ def test_recording_aborts_on_an_autograd_graph():
         with torch.enable_grad():
             leaf = a.detach().requires_grad_()
             return (leaf * 2).detach()
-    rec, _ = _record(fn, torch.randn(3))
+    rec, _ = record(fn, torch.randn(3))
     assert rec.error == "an op inside the step built an autograd graph"
 
 
 def test_pair_passes_only_what_the_backward_reads():
     x = torch.randn(4)
-    fwd, (y, t) = _record(lambda a: (a.exp(), a * 3), x)
+    fwd, (y, t) = record(lambda a: (a.exp(), a * 3), x)
     # the backward reads y (made in the forward) and its own input
     dy = torch.randn(4)
     bwd = replay.Recorder([dy], outer=fwd)
@@ -104,7 +92,7 @@ def test_launches_are_replayed_through_the_compiled_launcher_with_current_addres
         _common.launch(kernel, (2,), a, out.view(torch.uint8), 8, BLOCK=4)
         return out
     a = torch.randn(8)
-    rec, out = _record(fn, a)
+    rec, out = record(fn, a)
     prog = replay.Program(rec, rec.template(out))
     assert prog.n_ops == 2 and "view" not in prog.source, prog.source  # empty + the launch
     a2 = torch.randn(8)
@@ -122,7 +110,7 @@ def test_a_chain_of_views_replays_as_one_view_of_its_root():
         e = a.view(6, 4)[2:]
         return d * 2, e + e.sum()  # e: read by two ops, kept; its link a.view(6, 4): collapsed into e
     a = torch.randn(24)
-    rec, out = _record(fn, a)
+    rec, out = record(fn, a)
     prog = replay.Program(rec, rec.template(out))
     fns = [c for c in prog._consts.values() if callable(c)]
     assert fns.count(torch.as_strided) == 2 and torch.Tensor.view not in fns, prog.source
@@ -165,7 +153,7 @@ def test_a_block_only_launches_write_is_allocated_in_the_layout_of_its_one_view(
         copy_into(other, src)
         return a + out.t(), other[:2] + other.sum()  # a slice, and a block torch reads: not folded
     a, src = torch.randn(8, 4), torch.arange(32.0)
-    rec, out = _record(fn, a, src)
+    rec, out = record(fn, a, src)
     prog = replay.Program(rec, rec.template(out))
     assert prog.source.count("empty_strided") == 0  # (the const's name is in _consts; its repr is)
     fns = [c for c in prog._consts.values() if callable(c)]
@@ -189,7 +177,7 @@ def test_a_saved_block_is_allocated_by_the_forward_in_the_layout_the_backward_re
         copy_into(saved, src)
         return a * 2, saved
     a, src = torch.randn(8, 4), torch.arange(32.0)
-    fwd, (y, saved) = _record(forward, a, src)
+    fwd, (y, saved) = record(forward, a, src)
     dy = torch.randn(8, 4)
     bwd = replay.Recorder([dy], outer=fwd)
     with bwd:
@@ -224,7 +212,7 @@ def test_small_blocks_come_from_one_pool_and_address_only_blocks_are_never_made(
         copy_into(out, read)
         return a + read.t(), out
     a, src = torch.randn(8, 4), torch.arange(32.0)
-    rec, out = _record(fn, a, src)
+    rec, out = record(fn, a, src)
     prog = replay.Program(rec, rec.template(out))
     # scratch and read (allocated transposed: its one view is .t(), _fold_allocation_views)
     assert prog.pooled == 2 and len(_pool_bytes(prog)) == 1, prog.source
@@ -248,7 +236,7 @@ def test_a_block_whose_view_leaves_the_program_is_not_pooled(monkeypatch, leave)
         copy_into(buf, src)
         return buf[:16] if leave == "slice" else buf.split(16)
     src = torch.arange(32.0)
-    rec, out = _record(fn, src)
+    rec, out = record(fn, src)
     prog = replay.Program(rec, rec.template(out))
     assert prog.pooled == 0 and _pool_bytes(prog) == [], prog.source
     src2 = torch.randn(32)
@@ -269,7 +257,7 @@ def test_a_pooled_block_the_backward_reads_by_address_passes_as_an_int(monkeypat
         copy_into(as_tensor, src)
         return a * 2, by_address, as_tensor
     a, src = torch.randn(8, 4), torch.arange(32.0)
-    fwd, (y, by_address, as_tensor) = _record(forward, a, src)
+    fwd, (y, by_address, as_tensor) = record(forward, a, src)
     dy = torch.randn(8, 4)
     bwd = replay.Recorder([dy], outer=fwd)
     with bwd:
@@ -304,7 +292,7 @@ def test_a_large_program_pools_only_its_small_blocks(monkeypatch):
         copy_into(small, small_src)
         return big.sum() + small.sum()
     src, small_src = torch.randn(512), torch.randn(8)
-    rec, out = _record(fn, src, small_src)
+    rec, out = record(fn, src, small_src)
     prog = replay.Program(rec, rec.template(out))
     assert prog.pooled == 1 and _pool_bytes(prog) == [256], prog.source
     src2, small2 = torch.randn(512), torch.randn(8)
@@ -354,7 +342,7 @@ def test_a_block_read_through_a_reshape_by_a_site_and_a_launch(monkeypatch, pool
         t = torch.empty(64)
         copy_into(t, ln.view(torch.uint8))  # (as the layer's transpose launch takes its FP8 operand)
         return res * 1, t * 1
-    rec, out = _record(fn, torch.arange(64.0))
+    rec, out = record(fn, torch.arange(64.0))
     prog = replay.Program(rec, rec.template(out))
     src2 = torch.randn(64)
     (res, t), _ = prog((src2,))
@@ -369,7 +357,7 @@ def test_pooling_off_allocates_each_block(monkeypatch):
         buf = torch.empty(32)
         copy_into(buf, src)
         return buf.sum()
-    rec, out = _record(fn, torch.randn(32))
+    rec, out = record(fn, torch.randn(32))
     prog = replay.Program(rec, rec.template(out))
     assert prog.pooled == 0 and "_a0" not in prog.source
 
@@ -378,23 +366,9 @@ def test_pooling_off_allocates_each_block(monkeypatch):
 # The fused FP8 layer step
 # ---------------------------------------------------------------------------------------------------------------
 def _run(layer, xs, gs, recipe, rope, on: bool, kernels: bool = False, **autocast):
-    """Steps with replay ``on`` / off; the outputs, input gradients, and the replay cache after the steps."""
-    layer_mod._PROGRAMS.clear()
-    saved = layer_mod.REPLAY
-    layer_mod.REPLAY = on
-    out = []
-    try:
-        with kernels_forced() if kernels else contextlib.nullcontext():
-            for x0, g in zip(xs, gs):
-                x = x0.clone().requires_grad_()
-                with torch.autocast(**autocast) if autocast else contextlib.nullcontext(), \
-                        fp8engine.autocast(recipe=recipe):
-                    y = layer(x, rotary_pos_emb=rope)
-                y.backward(g)
-                out.append((y.detach(), x.grad))
-    finally:
-        layer_mod.REPLAY = saved
-    return out, dict(layer_mod._PROGRAMS)
+    """Steps with replay ``on`` / off; the outputs, input gradients, and the replay cache after the steps (kept)."""
+    out, cache, _ = replay_layer_steps(layer, xs, gs, recipe, on, rope, kernels, keep_cache=True, **autocast)
+    return out, cache
 
 
 def _assert_replay_exact(recipe, kw, rope, kernels=False, steps=3):

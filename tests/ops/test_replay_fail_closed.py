@@ -3,7 +3,6 @@ on the host is refused and its configuration runs the ordinary code from then on
 ops' schemas, not their names; the program cache is bounded (least recently used out first) and stops recording
 configurations it sees once after a budget of them; ``FP8ENGINE_REPLAY=check`` runs the replay beside the ordinary
 code and names the first output whose bits differ."""
-import contextlib
 import copy
 import os
 import subprocess
@@ -15,10 +14,10 @@ import torch.nn.functional as F
 
 import fp8engine
 import fp8engine.ops.layer as layer_mod
-from fp8engine.fp8.float8_tensor import kernels_forced
 from fp8engine.kernels._common import interpreting
 from fp8engine.modules import RotaryEmbedding, TransformerLayer
 from fp8engine.ops import replay, replay_cache
+from tests.ops._ops_test_utils import record, replay_layer_steps, replay_unchecked  # noqa: F401 (autouse fixture)
 
 H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
 
@@ -53,17 +52,6 @@ class _Cached:
         return out
 
 
-@pytest.fixture(autouse=True)
-def _unchecked(monkeypatch):
-    """``FP8ENGINE_REPLAY=check`` off (the environment may set it): the check tests turn it on themselves."""
-    monkeypatch.setattr(replay_cache, "CHECK", False)
-
-
-def _record(fn, *inputs):
-    rec = replay.Recorder(inputs)
-    with rec:
-        out = fn(*inputs)
-    return rec, out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,7 +78,7 @@ def test_a_host_read_aborts_the_recording(read):
     """Each way the step's Python can see a tensor's value (a bool, a number, a list, a value-shaped result, a
     tensor slice bound) aborts the recording: no program."""
     a, b = torch.randn(6), torch.randn(6)
-    rec, out = _record(_READS[read], a, b)
+    rec, out = record(_READS[read], a, b)
     assert rec.error is not None, read
     with pytest.raises(replay.RecordAbort):
         replay.Program(rec, rec.template(out))
@@ -132,7 +120,7 @@ def test_queries_and_conversions_are_still_not_recorded():
     def fn(a):
         _ = a.shape, a.dtype, a.stride(), a.dim(), a.numel(), a.is_contiguous(), a.requires_grad
         return a.contiguous().float() * 2
-    rec, out = _record(fn, torch.randn(4))
+    rec, out = record(fn, torch.randn(4))
     prog = replay.Program(rec, rec.template(out))
     assert prog.n_ops == 1, prog.source
 
@@ -192,7 +180,7 @@ def test_a_write_is_recorded_whatever_the_op_is_called(write):
         c = a * 1
         _WRITES[write](c, b)
         return c
-    rec, out = _record(fn, torch.randn(6), torch.randn(6))
+    rec, out = record(fn, torch.randn(6), torch.randn(6))
     prog = replay.Program(rec, rec.template(out))
     for _ in range(2):
         a, b = torch.randn(6), torch.randn(6)
@@ -206,7 +194,7 @@ def test_a_packet_whose_out_overload_is_not_called_does_not_write():
     def fn(a):
         torch.ops.aten.mul(a, 2)
         return a + 1
-    rec, out = _record(fn, torch.randn(4))
+    rec, out = record(fn, torch.randn(4))
     prog = replay.Program(rec, rec.template(out))
     assert prog.n_ops == 1, prog.source
 
@@ -267,26 +255,7 @@ def test_fused_step_records_at_most_the_budget_of_new_shapes(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # FP8ENGINE_REPLAY=check
 # ---------------------------------------------------------------------------------------------------------------
-def _layer_steps(layer, xs, gs, recipe, on: bool, rope=None, kernels=False):
-    """Steps with replay ``on`` / off from an empty cache: the outputs and input gradients, the cache's entries
-    and its recordings (the cache is emptied after)."""
-    layer_mod._PROGRAMS.clear()
-    saved = layer_mod.REPLAY
-    layer_mod.REPLAY = on
-    out = []
-    try:
-        with kernels_forced() if kernels else contextlib.nullcontext():
-            for x0, g in zip(xs, gs):
-                x = x0.clone().requires_grad_()
-                with fp8engine.autocast(recipe=recipe):
-                    y = layer(x, rotary_pos_emb=rope)
-                y.backward(g)
-                out.append((y.detach(), x.grad))
-        cache, recordings = dict(layer_mod._PROGRAMS), layer_mod._PROGRAMS.recordings
-    finally:
-        layer_mod.REPLAY = saved
-        layer_mod._PROGRAMS.clear()  # (nothing recorded here, a corrupted program least of all, outlives the test)
-    return out, cache, recordings
+_layer_steps = replay_layer_steps
 
 
 def test_check_mode_is_read_from_the_environment():
