@@ -62,6 +62,7 @@ import fp8engine
 from fp8engine.fp8.autocast import FP8Context, recompute_context
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
 from fp8engine.parallel import RNGStatesTracker, all_reduce_sequence_parallel_grads, model_parallel_manual_seed
+from fp8engine.parallel.data_parallel import GradientAverager, broadcast_parameters
 from fp8engine.training import UsageError
 from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, capture_rng_state, checkpoint_paths,
                                            load_checkpoint, restore_rng_state, save_checkpoint)
@@ -132,6 +133,8 @@ class Run:
     rng_tracker: Any = None
     #: Why the step is not captured in a CUDA graph (one line), or None when it is.
     graph_problem: Optional[str] = None
+    #: With data-parallel replicas: the gradient averager whose all-reduces the step runs (and captures).
+    grad_averager: Any = None
 
 
 def prepare(args: argparse.Namespace) -> Run:
@@ -224,11 +227,12 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
         optimizer.load_state_dict(run.checkpoint["optimizer"])
     step_model = model
     if layout.dp_size > 1:
-        # broadcast_buffers=False: the FP8 amax histories hold this rank's gradient amaxes until the next
-        # autocast exit reduces them over the dp group; a buffer broadcast would overwrite them with rank 0's.
-        step_model = torch.nn.parallel.DistributedDataParallel(
-            model, process_group=layout.dp_group, broadcast_buffers=False,
-            device_ids=[run.device.index] if run.device.type == "cuda" else None)
+        # Replicas start from the dp group's first rank's weights, as DDP makes them; the gradients are averaged by
+        # run.grad_averager's all-reduces (launched during the backward, captured with the step in a CUDA graph).
+        # Buffers are not broadcast: the FP8 amax histories hold each rank's own amaxes until the next autocast
+        # exit reduces them over the dp group (and a resumed rank's come from its own checkpoint shard).
+        broadcast_parameters(model, layout.dp_group)
+        run.grad_averager = GradientAverager(model.parameters(), layout.dp_group, bucket_mb=100.0)
     if run.args.compile:
         step_model = torch.compile(step_model)
     return model, step_model, optimizer
@@ -254,10 +258,12 @@ def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torc
     params = list(model.parameters())
     nf_guard = NonFiniteGuard(model, group=layout.dp_group) if guard else None
     if args.cuda_graphs and run.graph_problem is None:
-        return CUDAGraphStep(step_model, params, optimizer, context, args.grad_accum, clip, device=run.device,
-                             guard=nf_guard, warmup=graph_warmup(args.compile))
+        return CUDAGraphStep(step_model, params, optimizer, context, args.grad_accum, clip, after_backward,
+                             device=run.device, guard=nf_guard, grad_averager=run.grad_averager,
+                             warmup=graph_warmup(args.compile),
+                             graph_generators=run.rng_tracker.graph_states() if run.rng_tracker else ())
     return TrainStep(step_model, params, optimizer, context, args.grad_accum, clip, after_backward,
-                     device=run.device, guard=nf_guard)
+                     device=run.device, guard=nf_guard, grad_averager=run.grad_averager)
 
 
 def step_batches(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -538,7 +544,7 @@ def _main(argv: Optional[list[str]]) -> int:
     run.layout = init_layout(args.tp, run.device, timeout=args.dist_timeout)
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())
-    run.graph_problem = capture_problem(run.device, run.layout.world_size, args.compile)
+    run.graph_problem = capture_problem(run.device, args.compile)
     try:
         if run.checkpoint is not None and run.layout.world_size > 1:
             run.checkpoint = _select_sharded(run)

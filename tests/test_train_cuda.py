@@ -169,10 +169,9 @@ def test_gpt_forward_backward_as_the_command_runs_it():
 
 
 def test_capture_problem_says_why():
-    assert capture_problem(torch.device("cpu"), 1, False) == "CUDA graphs need --device cuda"
-    assert "multi-process" in capture_problem(torch.device("cuda"), 2, False)
-    assert capture_problem(torch.device("cuda"), 1, True) is None  # a compiled step is captured too
-    assert capture_problem(torch.device("cuda"), 1, False) is None
+    assert capture_problem(torch.device("cpu"), False) == "CUDA graphs need --device cuda"
+    assert capture_problem(torch.device("cuda"), True) is None  # a compiled step is captured too
+    assert capture_problem(torch.device("cuda"), False) is None  # multi-process runs too (tp, sp, dp)
 
 
 def test_graph_warmup_gives_compile_its_retrace():

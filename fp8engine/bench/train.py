@@ -15,6 +15,16 @@ which compile, fall in the skipped warm-up), ``fp8-*-compile-graph`` (``--compil
 captured in the command's CUDA graph), ``fp8-block`` and ``fp8-block-graph``. Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding parameters plus the tied LM head,
 L layers, h width, s context; the PaLM paper's appendix B formula), so MFU counts no recomputation.
 
+Data: by default token bins of random GPT-2 ids (< 50257, vocabulary padded to 50304: the vocabulary users train
+``gpt2-124m`` and ``1b`` with; random ids time the same GEMMs and loss as real text), written once to a
+temporary directory; ``--vocab bytes`` uses the training command's default byte data (vocabulary 256, a labelled
+extra); ``--data`` any data of the command.
+
+Multi-GPU: launched with ``torchrun --nproc-per-node N``, every mode runs on all N processes in the layout of
+``--tp T [--sequence-parallel]`` (``N / T`` data-parallel replicas, each with ``--batch-size`` micro-batches):
+exactly the command's multi-process step (CUDA graphs included, where the command captures). Step times are rank
+0's; tokens/s counts the whole global batch; ``tokens_per_s_per_gpu`` divides it by N. Only rank 0 prints.
+
 Each step runs with the command's non-finite guard (:mod:`fp8engine.training.guard`: FP8-buffer snapshot,
 device-side check, ``found_inf`` read with the loss); ``--no-guard`` times the step without it. ``--guard-cost``
 measures the guard's cost in one process instead: per mode one model, a step object with and one without the
@@ -23,8 +33,11 @@ guard, timed in alternating blocks (two separate processes differ by more than t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -74,10 +87,27 @@ def _peak_tflops() -> float | None:
     return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
 
 
+#: Random GPT-2 token ids per split of the default data (train, val): enough for any offset of the timed steps.
+_RANDOM_TOKENS = (8_000_000, 400_000)
+_GPT2_IDS = 50257
+
+
+def random_gpt2_bins(directory: str, seed: int = 0) -> str:
+    """Write nanoGPT-style ``train.bin`` / ``val.bin`` (uint16 random ids < 50257, no ``meta.pkl``: the training
+    command reads GPT-2's padded vocabulary 50304) into ``directory``; returns it."""
+    import os
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for name, n in zip(("train.bin", "val.bin"), _RANDOM_TOKENS):
+        rng.integers(0, _GPT2_IDS, size=n, dtype=np.uint16).tofile(os.path.join(directory, name))
+    return directory
+
+
 def _setup(model_name: str, mode: str, args: argparse.Namespace):
     """The training command's run, model, step model and optimizer for ``mode`` (built as the command does)."""
     from fp8engine import train as T
-    from fp8engine.training.distributed import init_layout
 
     argv = ["--model", model_name, "--batch-size", str(args.batch_size or BATCH[model_name]),
             "--steps", str(args.steps), "--device", args.device, "--sample-tokens", "0", *MODES[mode]]
@@ -85,11 +115,13 @@ def _setup(model_name: str, mode: str, args: argparse.Namespace):
         argv += ["--seq-len", str(args.seq_len)]
     if args.data:
         argv += ["--data", args.data]
+    if args.tp > 1:
+        argv += ["--tp", str(args.tp)] + (["--sequence-parallel"] if args.sequence_parallel else [])
     run = T.prepare(T.build_parser().parse_args(argv))
-    run.layout = init_layout(1, run.device)
+    run.layout = args.layout
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())
-    run.graph_problem = T.capture_problem(run.device, 1, run.args.compile)
+    run.graph_problem = T.capture_problem(run.device, run.args.compile)
     return (run, *T._build(run))
 
 
@@ -127,7 +159,7 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
 
     run, model, step_model, optimizer = _setup(model_name, mode, args)
     step_fn = T.make_step(run, model, step_model, optimizer, guard=not args.no_guard)
-    tokens = run.args.batch_size * run.args.seq_len
+    tokens = run.args.batch_size * run.args.seq_len * run.layout.dp_size  # the global batch of one step
     peak_memory_gib(reset=True)
     times, losses = [], []
     for step in range(1, args.steps + 1):
@@ -138,9 +170,12 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     step_s = statistics.median(timed)
     flops = model_flops_per_token(run.config, run.args.seq_len) * tokens / step_s / 1e12
     peak = _peak_tflops()
+    world = run.layout.world_size
     row = {"model": model_name, "mode": mode, "batch": f"{run.args.batch_size}x{run.args.seq_len}",
-           "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "model_tflops": flops,
-           "mfu": flops / peak if peak else float("nan"), "peak_mem_gib": peak_memory_gib(),
+           "layout": _layout_name(run.layout, run.args.sequence_parallel), "vocab": run.config.vocab_size,
+           "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / world,
+           "model_tflops": flops / world, "mfu": flops / world / peak if peak else float("nan"),
+           "peak_mem_gib": peak_memory_gib(),
            "graphed": isinstance(step_fn, CUDAGraphStep), "guard": not args.no_guard, "loss_first": losses[0],
            "loss_last": losses[-1]}
     del model, step_model, optimizer, step_fn
@@ -183,6 +218,14 @@ def _guard_cost(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     return row
 
 
+def _layout_name(layout, sequence_parallel: bool) -> str:
+    if layout.world_size == 1:
+        return "1 GPU"
+    parts = ([f"tp{layout.tp_size}" + ("-sp" if sequence_parallel else "")] if layout.tp_size > 1 else []) + \
+        ([f"dp{layout.dp_size}"] if layout.dp_size > 1 else [])
+    return " x ".join(parts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="python -m fp8engine.bench train", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt2-124m,1b", help="comma-separated model names of the training command")
@@ -191,7 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", type=int, default=5, help="first steps left out of the median (warm-up, capture)")
     p.add_argument("--batch-size", type=int, help="micro-batch size (default: gpt2-124m 16, 1b 4)")
     p.add_argument("--seq-len", type=int, help="default: the model's context")
-    p.add_argument("--data", help="training data as for the training command (default: its default)")
+    p.add_argument("--data", help="training data as for the training command (default: random GPT-2 token bins; "
+                                  "see --vocab)")
+    p.add_argument("--vocab", default="gpt2", choices=("gpt2", "bytes"),
+                   help="without --data: gpt2 = random ids of GPT-2's vocabulary (default), bytes = the command's "
+                        "default byte data (vocabulary 256)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun (the rest of the "
+                                                     "processes are data-parallel replicas)")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp: sequence parallelism")
+    p.add_argument("--baseline", default="bf16", help="the mode the vs_base column divides by (default bf16)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--no-guard", action="store_true", help="time the step without the non-finite guard (compare "
@@ -215,22 +266,47 @@ def main(argv=None) -> int:
         parser.error("no CUDA GPU visible; pass --device cpu to exercise the code path")
     if args.guard_cost and args.no_guard:
         parser.error("--guard-cost times both; drop --no-guard")
-    print(env_info(), flush=True)
-    if args.guard_cost:
-        return _main_guard_cost(models, modes, args)
+    if args.data and args.vocab != "gpt2":
+        parser.error("--vocab picks the default data; drop it with --data")
+    from fp8engine.training import UsageError
+    from fp8engine.training.distributed import env_world_size, init_layout
+
+    if env_world_size() % args.tp or (args.sequence_parallel and args.tp == 1):
+        parser.error(f"--tp {args.tp} must divide the number of processes ({env_world_size()}); "
+                     "--sequence-parallel needs --tp 2 or more")
+    args.layout = init_layout(args.tp, torch.device(args.device))
+    with contextlib.ExitStack() as stack:
+        if not args.layout.is_main:  # rank 0 reports for all
+            stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+        if args.data is None and args.vocab == "gpt2":
+            args.data = random_gpt2_bins(stack.enter_context(tempfile.TemporaryDirectory(prefix="fp8engine-bench-")))
+        print(env_info() | {"processes": args.layout.world_size, "data": args.data or "the command's default bytes"},
+              flush=True)
+        try:
+            if args.guard_cost:
+                return _main_guard_cost(models, modes, args)
+            return _main_table(models, modes, args)
+        except UsageError as err:
+            parser.error(str(err))
+
+
+def _main_table(models: list[str], modes: list[str], args: argparse.Namespace) -> int:
     base = {}
+    json_path = args.json if args.layout.is_main else None
 
     def report(row: dict) -> None:
-        if row["mode"] == "bf16":
+        if row["mode"] == args.baseline:
             base[row["model"]] = row["tokens_per_s"]
-        row["vs_bf16"] = row["tokens_per_s"] / base[row["model"]] if row["model"] in base else float("nan")
-        print(f"  {row['model']} {row['mode']}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s",
-              flush=True)
+        row["vs_base"] = row["tokens_per_s"] / base[row["model"]] if row["model"] in base else float("nan")
+        print(f"  {row['model']} {row['layout']} {row['mode']}: {row['step_ms']:.1f} ms/step, "
+              f"{row['tokens_per_s_per_gpu']:.0f} tok/s per GPU", flush=True)
 
-    rows, failed = _rows(models, modes, _run_mode, report, args, save=lambda done: write_json(args.json, "train", done))
-    print_table(rows, ["model", "mode", "batch", "step_ms", "tokens_per_s", "vs_bf16", "model_tflops", "mfu",
-                       "peak_mem_gib", "graphed", "guard", "loss_first", "loss_last", "error"])
-    write_json(args.json, "train", rows)
+    rows, failed = _rows(models, modes, _run_mode, report, args, save=lambda done: write_json(json_path, "train", done))
+    print(f"vs_base: tokens/s over mode {args.baseline}'s (same model, same layout)")
+    print_table(rows, ["model", "layout", "mode", "batch", "vocab", "step_ms", "tokens_per_s", "tokens_per_s_per_gpu",
+                       "vs_base", "model_tflops", "mfu", "peak_mem_gib", "graphed", "guard", "loss_first", "loss_last",
+                       "error"])
+    write_json(json_path, "train", rows)
     return 1 if failed else 0
 
 

@@ -51,6 +51,14 @@ def _set_state(device_type: str, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def _generator(device_type: str) -> torch.Generator:
+    """The default generator the tracker swaps: the CPU one, or the current CUDA device's."""
+    if device_type == "cuda":
+        index = torch.cuda.current_device()  # initialises CUDA, which fills default_generators
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
 class RNGStatesTracker:
     """Named RNG states of one device type; :meth:`fork` runs a block with a named state, then restores the
     generator (Megatron-core's ``CudaRNGStatesTracker``, on ``"cpu"`` or ``"cuda"`` generators).
@@ -61,6 +69,13 @@ class RNGStatesTracker:
     activation-checkpoint recompute inside a fork region) continues the same stream: the draws are those of one
     un-nested stream.
 
+    CUDA graphs: on CUDA each named state is a generator state object of its own (``Generator.clone_state``) and
+    a fork swaps the default generator's state object (``graphsafe_set_state``) instead of copying seed and offset
+    through the host, so a fork can run inside ``torch.cuda.graph`` capture; register :meth:`graph_states` with
+    the graph (``CUDAGraph.register_generator_state``) and each replay advances them as an eager step would
+    (Megatron-core's ``use_cudagraphable_rng``, TransformerEngine's graph-safe tracker). On the CPU the states
+    are ``uint8`` state tensors copied in and out.
+
     Args:
         device: the generator to swap: ``"cpu"`` (the default CPU generator), ``"cuda"`` (the current CUDA
             device's) or None (CUDA when available, else CPU).
@@ -68,7 +83,9 @@ class RNGStatesTracker:
 
     def __init__(self, device=None):
         self.device_type = _device_type(device)
-        self.states_: Dict[str, torch.Tensor] = {}
+        #: graph-safe state objects (CUDA) instead of state tensors (CPU)
+        self.graph_safe = self.device_type == "cuda"
+        self.states_: Dict[str, torch.Tensor] = {}  # name -> uint8 state (CPU) or torch.Generator state (CUDA)
         self.seeds_: set = set()
         #: the state whose stream the generator holds now (the innermost open fork), None outside forks
         self._active: Optional[str] = None
@@ -77,17 +94,31 @@ class RNGStatesTracker:
         """Forget all states and seeds (Megatron's ``reset``)."""
         self.states_, self.seeds_, self._active = {}, set(), None
 
+    def graph_states(self) -> list:
+        """The CUDA generator state objects a captured graph must register (empty on the CPU)."""
+        return list(self.states_.values()) if self.graph_safe else []
+
     def get_states(self) -> Dict[str, torch.Tensor]:
         """A copy of ``name -> generator state`` (uint8 tensors). Inside a fork, the active state's entry is the
         generator's live state: where that stream continues."""
+        if self.graph_safe:  # the active state object is the live one
+            return {k: v.get_state() for k, v in self.states_.items()}
         states = {k: v.clone() for k, v in self.states_.items()}
         if self._active is not None:
             states[self._active] = _get_state(self.device_type)
         return states
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
-        """Replace the states by copies of ``states`` (as returned by :meth:`get_states`)."""
-        self.states_ = {k: v.clone() for k, v in states.items()}
+        """Replace the states by copies of ``states`` (as returned by :meth:`get_states`). On CUDA a state
+        object that exists is written in place, so a graph that registered it keeps reading it."""
+        if not self.graph_safe:
+            self.states_ = {k: v.clone() for k, v in states.items()}
+            return
+        new = {}
+        for k, v in states.items():
+            new[k] = self.states_[k] if k in self.states_ else _generator("cuda").clone_state()
+            new[k].set_state(v.clone())
+        self.states_ = new
 
     def add(self, name: str, seed: int) -> None:
         """Create state ``name`` seeded with ``seed`` (the generator's own state is left as it was).
@@ -100,13 +131,11 @@ class RNGStatesTracker:
         if name in self.states_:
             raise ValueError(f"RNG state {name!r} already exists in the tracker")
         self.seeds_.add(seed)
-        saved = _get_state(self.device_type)
-        if self.device_type == "cuda":
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.default_generator.manual_seed(seed)  # the CPU generator only (torch.manual_seed also seeds CUDA)
-        self.states_[name] = _get_state(self.device_type)
-        _set_state(self.device_type, saved)
+        gen = _generator(self.device_type)
+        saved = gen.get_state()
+        gen.manual_seed(seed)
+        self.states_[name] = gen.clone_state() if self.graph_safe else gen.get_state()
+        gen.set_state(saved)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
@@ -119,7 +148,19 @@ class RNGStatesTracker:
         if name not in self.states_:
             raise KeyError(f"RNG state {name!r} is not in the tracker (has {sorted(self.states_)}); call add() or "
                            "model_parallel_manual_seed() first")
-        outer, saved = self._active, _get_state(self.device_type)
+        outer = self._active
+        if self.graph_safe:  # swap state objects: the outer one (maybe ``name`` itself) keeps its own progress
+            gen = _generator("cuda")
+            saved = gen.graphsafe_get_state()
+            gen.graphsafe_set_state(self.states_[name])
+            self._active = name
+            try:
+                yield
+            finally:
+                gen.graphsafe_set_state(saved)
+                self._active = outer
+            return
+        saved = _get_state(self.device_type)
         if outer is not None:
             self.states_[outer] = saved  # the enclosing fork's progress, read back below (it may be ``name``)
         _set_state(self.device_type, self.states_[name])
@@ -190,9 +231,14 @@ class _RNGSnapshot:
         self._tracker = tracker
         self.tracker = tracker.get_states() if tracker is not None else None
         self.active = tracker._active if tracker is not None else None
+        # graph-safe tracker: the CUDA state object installed now (an open fork's), re-installed by restore()
+        self.installed = (_generator("cuda").graphsafe_get_state()
+                          if tracker is not None and tracker.graph_safe else None)
 
     def restore(self, generators: bool = True) -> None:
         """Put the states back; ``generators=False``: the tracker's only (the caller restores CPU and CUDA)."""
+        if self.installed is not None:
+            _generator("cuda").graphsafe_set_state(self.installed)
         if generators:
             torch.set_rng_state(self.cpu)
             if self.cuda is not None:

@@ -14,9 +14,17 @@ optimizer reads (``AdamW(lr=tensor, fused=True)``), filled before each replay; d
 generator, whose offset a replay advances as the eager step would. Graphed and eager runs of the same seed log
 the same losses (``tests/test_train_cuda.py``).
 
-What it needs: one process (no DDP, no tensor-parallel RNG tracker), static shapes (batch, sequence length,
-micro-batch count), parameters that keep their storage. ``capture_problem`` says in one line why a run cannot be
-captured; the training command prints it and runs eagerly.
+Multi-process runs are captured too: the tensor- and sequence-parallel collectives, the FP8 amax all-reduce at
+each ``fp8_autocast`` exit, the data-parallel gradient average
+(:class:`~fp8engine.parallel.data_parallel.GradientAverager`: bucketed all-reduces launched from gradient hooks
+during the backward, in place of DDP's reducer) and the gradient-norm all-reduce are NCCL kernels on the captured
+streams, replayed in the same order on every rank. The tensor-parallel RNG tracker's states are graph-safe
+generator states the graph registers (``graph_generators``), so dropout in tensor-parallel regions draws what
+the eager step draws.
+
+What it needs: static shapes (batch, sequence length, micro-batch count), parameters that keep their storage,
+CUDA (NCCL). ``capture_problem`` says in one line why a run cannot be captured; the training command prints it
+and runs eagerly.
 """
 from __future__ import annotations
 
@@ -64,7 +72,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
             current.fill_(lr)
 
 
-def capture_problem(device: torch.device, world_size: int, compile_: bool) -> Optional[str]:
+def capture_problem(device: torch.device, compile_: bool) -> Optional[str]:
     """Why the training step cannot be captured in a CUDA graph here (one line), or None when it can.
 
     A ``torch.compile``'d model (``compile_``) is captured too: its Inductor kernels and our custom ops run on
@@ -72,9 +80,6 @@ def capture_problem(device: torch.device, world_size: int, compile_: bool) -> Op
     :func:`graph_warmup` gives it the extra eager step its re-trace needs."""
     if device.type != "cuda":
         return "CUDA graphs need --device cuda"
-    if world_size > 1:
-        return ("CUDA graphs are not used in multi-process runs (DDP buckets and the tensor-parallel RNG tracker "
-                "switch state on the host)")
     return None
 
 
@@ -100,6 +105,9 @@ class TrainStep:
             norm is returned as a tensor (no host synchronisation).
         after_backward: called after the last backward and before clipping (sequence-parallel gradient
             all-reduce), or None.
+        grad_averager: a :class:`~fp8engine.parallel.data_parallel.GradientAverager` of the data-parallel
+            replicas, or None: micro-batches but the last run in its ``no_sync``, and its ``finish`` runs after
+            the last backward (before ``after_backward``).
         guard: a :class:`~fp8engine.training.guard.NonFiniteGuard` of the model, or None (no check): a step whose
             loss or gradient norm is not finite then leaves weights, optimizer state and FP8 buffers unchanged,
             and ``found_inf`` (float32 device scalar, 0/1) says so after each call.
@@ -111,7 +119,8 @@ class TrainStep:
     def __init__(self, step_model: torch.nn.Module, params: list, optimizer: torch.optim.Optimizer,
                  precision_context: Callable[[], contextlib.AbstractContextManager], grad_accum: int,
                  clip: Callable[[list], torch.Tensor], after_backward: Optional[Callable[[], None]] = None,
-                 device: Optional[torch.device] = None, guard: Optional[NonFiniteGuard] = None):
+                 device: Optional[torch.device] = None, guard: Optional[NonFiniteGuard] = None,
+                 grad_averager=None):
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
         self.step_model, self.params, self.optimizer = step_model, list(params), optimizer
@@ -120,6 +129,7 @@ class TrainStep:
         self.device = device if device is not None else self.params[0].device
         self.grad_norm: Optional[torch.Tensor] = None
         self.guard = guard
+        self.grad_averager = grad_averager
 
     @property
     def found_inf(self) -> Optional[torch.Tensor]:
@@ -133,13 +143,15 @@ class TrainStep:
         for micro in range(self.grad_accum):
             first = None if self.grad_accum == 1 else micro == 0
             last = micro == self.grad_accum - 1
-            no_sync = getattr(self.step_model, "no_sync", None)
+            no_sync = getattr(self.grad_averager or self.step_model, "no_sync", None)
             sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
             with sync:
                 with self.precision_context():
                     loss = self.step_model(xs[micro], ys[micro], is_first_microbatch=first)
                 (loss / self.grad_accum).backward()
             total += loss.detach().float()
+        if self.grad_averager is not None:
+            self.grad_averager.finish()
         if self.after_backward is not None:
             self.after_backward()
         self.grad_norm = self.clip(self.params)
@@ -161,8 +173,10 @@ class TrainStep:
 class CUDAGraphStep(TrainStep):
     """:class:`TrainStep` captured in one CUDA graph after ``warmup`` eager steps, then replayed.
 
-    Same arguments as :class:`TrainStep` (no ``after_backward``: multi-process runs are not captured), plus
-    ``warmup`` (>= 1) eager steps before the capture. Inputs are copied into static device buffers; the
+    Same arguments as :class:`TrainStep` (a ``step_model`` that is not a DDP wrapper: use ``grad_averager``),
+    plus ``warmup`` (>= 1) eager steps before the capture and ``graph_generators``: generator states besides the
+    default CUDA generator's that the step draws from (:meth:`fp8engine.parallel.RNGStatesTracker.graph_states`),
+    registered with the graph so each replay advances them. Inputs are copied into static device buffers; the
     returned loss is a static device tensor overwritten by the next call (read it before calling again).
     ``__call__(xs, ys, eager=True)`` runs that one step eagerly, outside the graph, on the same parameters,
     optimizer state and FP8 buffers (work whose host-side switches a replay would not see, e.g. FP8 stats
@@ -172,15 +186,17 @@ class CUDAGraphStep(TrainStep):
         ValueError: not on CUDA, ``warmup < 1``, or a later call with other shapes than the captured ones.
     """
 
-    def __init__(self, *args, warmup: int = 2, **kwargs):
+    def __init__(self, *args, warmup: int = 2, graph_generators=(), **kwargs):
         super().__init__(*args, **kwargs)
         if self.device.type != "cuda":
             raise ValueError(f"CUDAGraphStep needs CUDA parameters; got {self.device}")
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 (the optimizer state must exist before capture); got {warmup}")
-        if self.after_backward is not None:
-            raise ValueError("CUDAGraphStep does not capture after_backward hooks (multi-process runs)")
+        if isinstance(self.step_model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("CUDAGraphStep cannot capture DistributedDataParallel's reducer; pass the model and a "
+                             "fp8engine.parallel.data_parallel.GradientAverager as grad_averager")
         self.warmup, self.steps_done = warmup, 0
+        self.graph_generators = list(graph_generators)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._xs = self._ys = self._loss = None
         # the grad norm and the guard's flag that the graph writes (an eager step in between rebinds both)
@@ -233,6 +249,8 @@ class CUDAGraphStep(TrainStep):
         torch.cuda.synchronize(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
+        for state in self.graph_generators:
+            graph.register_generator_state(state)
         with torch.cuda.graph(graph):
             self._loss = self._step(self._xs, self._ys)
         self.graph = graph

@@ -1,8 +1,13 @@
 """``python -m fp8engine.bench train --guard-cost`` on the CPU: the code path the lead runs on a GPU to measure
 the non-finite guard's cost (numbers here are not the point; that both step objects run and are timed is)."""
 import json
+import subprocess
+import sys
 
+import numpy as np
 import pytest
+
+from _train_cli import free_port, train_env
 
 from fp8engine.bench.train import _GUARD_BLOCK, main
 
@@ -35,7 +40,8 @@ def test_rows_are_saved_after_each_mode(tmp_path, monkeypatch):
         if mode == "fp8-delayed":
             seen.append([r["mode"] for r in json.loads(out.read_text())["rows"]])
             raise RuntimeError("boom")
-        return {"model": model, "mode": mode, "step_ms": 1.0, "tokens_per_s": 10.0}
+        return {"model": model, "mode": mode, "layout": "1 GPU", "step_ms": 1.0, "tokens_per_s": 10.0,
+                "tokens_per_s_per_gpu": 10.0}
 
     monkeypatch.setattr(bench_train, "_run_mode", fake_run)
     assert main(["--device", "cpu", "--models", "tiny", "--modes", "bf16,fp8-delayed", "--steps", "2", "--skip",
@@ -43,3 +49,38 @@ def test_rows_are_saved_after_each_mode(tmp_path, monkeypatch):
     assert seen == [["bf16"]]
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["bf16", "fp8-delayed"] and "boom" in rows[1]["error"]
+
+
+def test_default_data_is_gpt2_vocabulary(tmp_path):
+    """Without --data the rows are timed on GPT-2's padded vocabulary (random ids < 50257), not on bytes."""
+    from fp8engine.bench.train import random_gpt2_bins
+
+    out = tmp_path / "rows.json"
+    assert main(["--device", "cpu", "--models", "tiny", "--modes", "fp8-delayed", "--steps", "2", "--skip", "1",
+                 "--seq-len", "16", "--batch-size", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["vocab"] == 50304 and row["layout"] == "1 GPU"
+    assert row["tokens_per_s"] == pytest.approx(2 * 16 / (row["step_ms"] / 1e3))
+    ids = np.fromfile(random_gpt2_bins(str(tmp_path)) + "/train.bin", dtype=np.uint16)
+    assert ids.max() < 50257 and len(np.unique(ids[:100000])) > 40000  # all of GPT-2's ids, spread
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,name", [(["--tp", "2", "--sequence-parallel"], "tp2-sp"), ([], "dp2")])
+def test_bench_train_under_torchrun(tmp_path, layout, name):
+    """2 gloo processes: one row per mode from rank 0, in the layout asked for, tokens counted over the global
+    batch (dp replicas each run --batch-size) and per GPU."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "fp8engine.bench", "train", "--device", "cpu", "--models",
+           "tiny", "--modes", "bf16,fp8-delayed", "--steps", "2", "--skip", "1", "--seq-len", "16", "--batch-size",
+           "2", "--vocab", "bytes", "--json", str(out), *layout]
+    proc = subprocess.run(cmd, env=train_env(one_thread=True), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["bf16", "fp8-delayed"] and {r["layout"] for r in rows} == {name}
+    replicas = 2 if name == "dp2" else 1
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(replicas * 2 * 16 / (r["step_ms"] / 1e3))
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
+    assert proc.stdout.count("fp8-delayed:") == 1  # rank 0 reports, rank 1 is quiet

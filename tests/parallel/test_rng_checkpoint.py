@@ -20,6 +20,7 @@ from fp8engine.modules.layernorm_mlp import LayerNormMLP
 from fp8engine.modules.linear import Linear
 from fp8engine.parallel import (RNGStatesTracker, VocabUtility, checkpoint, model_parallel_manual_seed,
                                 te_checkpoint)
+import fp8engine.parallel.random as random_mod
 from fp8engine.parallel.random import MODEL_PARALLEL_RNG
 from fp8engine.recipe import DelayedScaling
 
@@ -136,6 +137,8 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: self.gen.manual_seed(seed))
         monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.gen.get_state())
         monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": self.gen.set_state(state))
+        monkeypatch.setattr(random_mod, "_generator",  # the graph-safe tracker's handle on the CUDA generator
+                            lambda device_type: self.gen if device_type == "cuda" else torch.default_generator)
 
 
 def test_manual_seed_cuda_leaves_cpu_generator_alone(monkeypatch):
@@ -173,6 +176,42 @@ def test_manual_seed_cuda_real():
     torch.cuda.manual_seed(1000)
     _exact(got, torch.rand(5, device="cuda"), "cuda data-parallel stream")
     assert MODEL_PARALLEL_RNG in tracker.get_states()
+
+
+def _fork_draws(tracker) -> torch.Tensor:
+    """One 'step': draws from the default stream, the model-parallel fork, a nested fork of it, and the default
+    stream again (a [4, 8] tensor)."""
+    a = torch.rand(8, device="cuda")
+    with tracker.fork():
+        b = torch.rand(8, device="cuda")
+        with tracker.fork():
+            c = torch.rand(8, device="cuda")
+    return torch.stack([a, b, c, torch.rand(8, device="cuda")])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tracker_forks_inside_cuda_graph_replay_the_eager_streams():
+    """A graph-safe tracker: forks captured in a CUDA graph (its states registered) draw on every replay exactly
+    what the eager steps draw (2 eager steps, capture, 3 replays vs 5 eager steps of the same seeds)."""
+    tracker = model_parallel_manual_seed(77, 1, RNGStatesTracker("cuda"), device="cuda")
+    eager = [_fork_draws(tracker) for _ in range(5)]
+    tracker = model_parallel_manual_seed(77, 1, RNGStatesTracker("cuda"), device="cuda")
+    got = [_fork_draws(tracker) for _ in range(2)]
+    graph = torch.cuda.CUDAGraph()
+    for state in tracker.graph_states():
+        graph.register_generator_state(state)
+    with torch.cuda.graph(graph):
+        static = _fork_draws(tracker)
+    for _ in range(3):
+        graph.replay()
+        got.append(static.clone())
+    for step, (g, e) in enumerate(zip(got, eager)):
+        _exact(g, e, f"step {step}")
+    saved = tracker.get_states()  # the states advanced by the replays, as by the eager steps
+    tracker2 = model_parallel_manual_seed(77, 1, RNGStatesTracker("cuda"), device="cuda")
+    [_fork_draws(tracker2) for _ in range(5)]
+    for name, state in tracker2.get_states().items():
+        _exact(saved[name], state, name)
 
 
 # ---------------------------------------------------------------------------------------------------------------
