@@ -11,9 +11,17 @@ and CUDA activity) and prints per step:
 - launches (runtime + driver API) and host synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
   ``cudaMemcpy*`` without Async, ``cudaEventSynchronize``) with their host time: a synchronisation inside the step
   drains the queue and exposes every later launch's host cost;
-- the CPU operators with the most self time (host cost by operator).
+- the CPU operators with the most self time (host cost by operator);
+- under ``torchrun`` (``--tp T [--sequence-parallel]``, the rest data parallel; rank 0 reports): ``comm ms`` = the
+  union of NCCL kernel intervals, and how much of it overlaps compute kernels (GEMMs etc. on other streams):
+  the sequence-parallel all-gathers behind nothing, the dgrad reduce-scatters behind the wgrad GEMMs, the
+  gradient all-reduces behind the backward.
+
+The data is the bench's default: random GPT-2 token ids (vocabulary 50304).
 
 Usage: python tools/step_profile.py --model 1b --mode fp8-delayed [--warmup 4] [--steps 3] [--top 25]
+       torchrun --nproc-per-node 2 tools/step_profile.py --model 1b --mode fp8-delayed-graph --tp 2 \
+           --sequence-parallel --kernels
 (modes as ``python -m fp8engine.bench train``: bf16, fp8-delayed, fp8-current, their -graph variants, ...)
 """
 import argparse
@@ -45,6 +53,31 @@ def _union_ms(intervals) -> float:
     return total / 1e3
 
 
+def _merged(intervals) -> list:
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _overlap_ms(a, b) -> float:
+    """Time (ms) in both the union of intervals ``a`` and the union of ``b`` (us inputs)."""
+    a, b = _merged(a), _merged(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total / 1e3
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1b")
@@ -53,14 +86,25 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--kernels", action="store_true", help="GPU kernel time per step by kernel name")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun")
+    p.add_argument("--sequence-parallel", action="store_true")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("step_profile: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from fp8engine import train as T
+    import os
+    import tempfile
 
-    ns = argparse.Namespace(batch_size=None, steps=args.warmup + args.steps, device="cuda", seq_len=None, data=None,
-                            no_guard=False)
+    from fp8engine import train as T
+    from fp8engine.training.distributed import init_layout
+
+    layout = init_layout(args.tp, torch.device("cuda"))
+    if not layout.is_main:
+        sys.stdout = open(os.devnull, "w")  # rank 0 reports
+    tmp = tempfile.TemporaryDirectory(prefix="step-profile-")
+    ns = argparse.Namespace(batch_size=None, steps=args.warmup + args.steps, device="cuda", seq_len=None,
+                            data=BT.random_gpt2_bins(tmp.name), no_guard=False, tp=args.tp,
+                            sequence_parallel=args.sequence_parallel, layout=layout)
     run, model, step_model, optimizer = BT._setup(args.model, args.mode, ns)
     step_fn = T.make_step(run, model, step_model, optimizer, guard=True)
     for step in range(1, args.warmup + 1):
@@ -80,6 +124,14 @@ def main() -> int:
     print(f"{args.model} {args.mode}: wall {sum(walls) / n:.1f} ms/step (steps {', '.join(f'{w:.1f}' for w in walls)}), "
           f"GPU busy {_union_ms(gpu) / n:.1f} ms/step, {len(launches) / n:.0f} launches/step, "
           f"{len(syncs) / n:.1f} host syncs/step ({sum(e.cpu_time_total for e in syncs) / 1e3 / n:.1f} ms/step)")
+    if layout.world_size > 1:
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        comm = [(s, e) for name, s, e in kernels if "nccl" in name.lower()]
+        compute = [(s, e) for name, s, e in kernels if "nccl" not in name.lower()]
+        total, hidden = _union_ms(comm) / n, _overlap_ms(comm, compute) / n
+        print(f"  comm (NCCL kernels) {total:.1f} ms/step, {hidden:.1f} ms of it overlapped with compute kernels "
+              f"({100 * hidden / total if total else 0:.0f} %); compute alone {_union_ms(compute) / n:.1f} ms/step")
     by_name = {}
     for e in syncs:
         by_name[e.name] = by_name.get(e.name, 0) + 1

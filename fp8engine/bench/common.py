@@ -163,3 +163,19 @@ def fwd_bwd_step(model, x, dy, recipe=None, amax_group=None, **fwd_kwargs):
                 y = model(x, **fwd_kwargs)
         y.backward(dy)
     return run
+
+
+def cuda_graph_step(step, warmup: int = 3):
+    """Capture the closure ``step`` (e.g. :func:`fwd_bwd_step`'s) in one CUDA graph after ``warmup`` eager runs
+    on a side stream (kernels compile, FP8 histories and gradients exist), as the training command captures its
+    step; returns a closure that replays it. Collectives inside (NCCL) are captured and replayed too."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay

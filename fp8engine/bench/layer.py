@@ -32,8 +32,8 @@ from torch import nn
 
 import fp8engine as fe
 from fp8engine._cli import CommandParser
-from fp8engine.bench.common import (add_layer_shape_args, env_info, fwd_bwd_step, peak_memory_gib, print_table,
-                                    time_back_to_back, time_fn, write_json)
+from fp8engine.bench.common import (add_layer_shape_args, cuda_graph_step, env_info, fwd_bwd_step, peak_memory_gib,
+                                    print_table, time_back_to_back, time_fn, write_json)
 from fp8engine.bench.torchao_ref import torchao_available, torchao_float8
 
 
@@ -189,11 +189,16 @@ def run_tp(args) -> list[dict]:
     x = torch.randn(s // tp, b, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     rows, flops = [], layer_flops(s, b, h, f)
-    for name, recipe in (("bf16", None), ("fp8 delayed", fe.DelayedScaling()), ("fp8 block", fe.Float8BlockScaling())):
-        peak_memory_gib(reset=True)
-        ms = time_fn(fwd_bwd_step(ours, x, dy, recipe, amax_group=group), warmup=3, iters=args.iters)
-        rows.append({"impl": f"fp8engine TransformerLayer {name} tp={tp} sp", "ms": ms,
-                     "TFLOP/s per GPU": flops / tp / ms / 1e9, "peak_GiB": peak_memory_gib()})
+    recipes = (("bf16", None), ("fp8 delayed", fe.DelayedScaling()), ("fp8 block", fe.Float8BlockScaling()))
+    for graphed in (False, True) if args.graph else (False,):
+        for name, recipe in recipes:
+            peak_memory_gib(reset=True)
+            step = fwd_bwd_step(ours, x, dy, recipe, amax_group=group)
+            if graphed:  # as the training command runs it under torchrun: the step captured, collectives included
+                step = cuda_graph_step(step)
+            ms = time_fn(step, warmup=3, iters=args.iters)
+            rows.append({"impl": f"fp8engine TransformerLayer {name} tp={tp} sp" + (", CUDA graph" if graphed else ""),
+                         "ms": ms, "TFLOP/s per GPU": flops / tp / ms / 1e9, "peak_GiB": peak_memory_gib()})
     if get_group_rank(group) == 0:
         rows += [{"impl": r["gemm"], "ms": r["ms"], "TFLOP/s per GPU": r["TFLOP/s"]}
                  for r in gemm_rows(s, b, h, f, tp, "cuda", args.iters)]
@@ -210,7 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
-    p.add_argument("--graph", action="store_true", help="add our FP8 layer captured in CUDA graphs")
+    p.add_argument("--graph", action="store_true", help="add our layer captured in CUDA graphs (with --tp: every "
+                                                       "precision's fwd+bwd step captured, collectives included)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.tp > 1:

@@ -288,6 +288,11 @@ def main(argv=None) -> int:
             return _main_table(models, modes, args)
         except UsageError as err:
             parser.error(str(err))
+        finally:
+            if args.layout.world_size > 1:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
 
 
 def _main_table(models: list[str], modes: list[str], args: argparse.Namespace) -> int:
