@@ -63,11 +63,12 @@ from fp8engine.fp8.autocast import FP8Context, recompute_context
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
 from fp8engine.parallel import RNGStatesTracker, all_reduce_sequence_parallel_grads, model_parallel_manual_seed
 from fp8engine.parallel.data_parallel import GradientAverager, broadcast_parameters
+from fp8engine.parallel.fsdp import local_tensor, shard_model
 from fp8engine.training import UsageError
 from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, capture_rng_state, checkpoint_paths,
                                            load_checkpoint, restore_rng_state, save_checkpoint)
 from fp8engine.training.guard import NonFiniteGuard
-from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm,
+from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm, env_world_size,
                                             init_layout, wait_for_all)
 from fp8engine.training.sharded_checkpoint import (SHARDED_DIR, CheckpointNotWritten, has_sharded, load_sharded,
                                                    read_sharded_settings, save_sharded, select_sharded)
@@ -147,6 +148,10 @@ def prepare(args: argparse.Namespace) -> Run:
     args.seq_len = config.max_seq_len
     check_seq_len(data, args.seq_len)
     check_layout(args.tp, args.sequence_parallel, config, args.seq_len, args.precision == "fp8")
+    if args.fsdp and env_world_size() // args.tp < 2:
+        raise UsageError(f"--fsdp shards over data-parallel processes: launch with torchrun and at least 2 "
+                         f"processes per --tp group (world size {env_world_size()} / --tp {args.tp} < 2), or drop "
+                         "--fsdp")
     if args.precision == "fp8" and args.recipe == "block":
         check_block_run(args, config)
     if args.out is not None and not args.out.strip():
@@ -218,6 +223,9 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
     if not run.args.fused_layer:
         for layer in model.layers:
             layer.fused = False
+    if run.args.fsdp:  # before the optimizer: it holds the DTensor shards; bf16 all-gathers where autocast is on
+        param_dtype = torch.bfloat16 if run.device.type == "cuda" and run.args.precision != "fp32" else None
+        shard_model(model, layout.dp_mesh, model.layers, param_dtype=param_dtype)
     optimizer = make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     if run.checkpoint is not None and layout.world_size > 1:
         run.checkpoint.update(load_sharded(run.checkpoint["dir"], layout, model, optimizer,
@@ -226,7 +234,7 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
         model.load_state_dict(run.checkpoint["model"])
         optimizer.load_state_dict(run.checkpoint["optimizer"])
     step_model = model
-    if layout.dp_size > 1:
+    if layout.dp_size > 1 and not run.args.fsdp:
         # Replicas start from the dp group's first rank's weights, as DDP makes them; the gradients are averaged by
         # run.grad_averager's all-reduces (launched during the backward, captured with the step in a CUDA graph).
         # Buffers are not broadcast: the FP8 amax histories hold each rank's own amaxes until the next autocast
@@ -248,8 +256,10 @@ def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torc
     def context():
         return _precision_context(args, run.device, train=True, amax_group=layout.dp_group)
 
+    fsdp_group = layout.dp_group if args.fsdp else None
+
     def clip(params):
-        return clip_grad_norm(params, 1.0, layout.tp_group)
+        return clip_grad_norm(params, 1.0, layout.tp_group, fsdp_group)
 
     after_backward = None
     if args.sequence_parallel:
@@ -278,15 +288,22 @@ def step_batches(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def evaluate(run: Run, model: torch.nn.Module) -> float:
     """Mean loss over ``--eval-iters`` fixed validation batches (the same batches at every evaluation; dp
-    replicas split them)."""
+    replicas split them). Under ``--fsdp`` every forward is collective (its all-gathers), so every rank runs the
+    same number of forwards: a rank past the last batch repeats one and leaves it out of the mean."""
     args, layout = run.args, run.layout
     model.eval()
     total, count = 0.0, 0
-    for i in range(layout.dp_rank, args.eval_iters, layout.dp_size):
-        x, y = get_batch(run.data.val, args.batch_size, args.seq_len, batch_seed(args.seed, "val", i, 0))
+    forwards = -(-args.eval_iters // layout.dp_size) if args.fsdp else None
+    batches = (range(layout.dp_rank, forwards * layout.dp_size, layout.dp_size) if args.fsdp
+               else range(layout.dp_rank, args.eval_iters, layout.dp_size))
+    for i in batches:
+        x, y = get_batch(run.data.val, args.batch_size, args.seq_len,
+                         batch_seed(args.seed, "val", i % args.eval_iters, 0))
         with _precision_context(args, run.device, train=False):
-            total += model(x.to(run.device), y.to(run.device)).item()
-        count += 1
+            loss = model(x.to(run.device), y.to(run.device)).item()
+        if i < args.eval_iters:
+            total += loss
+            count += 1
     model.train()
     total, count = all_reduce_sum([total, count], layout.dp_group, run.device)
     return total / count
@@ -295,7 +312,8 @@ def evaluate(run: Run, model: torch.nn.Module) -> float:
 def _save(run: Run, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> None:
     if run.out is None:
         return
-    bad = sum(int(not torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
+    bad = sum(int(not torch.isfinite(local_tensor(t)).all()) for t in model.state_dict().values()
+              if t.is_floating_point())
     if run.layout.world_size > 1:  # every rank decides alike (a tp shard may be the only non-finite one)
         import torch.distributed as dist
 
@@ -491,15 +509,24 @@ def _describe(run: Run, model: GPT) -> str:
 
 
 def _finish(run: Run, model: GPT, last_step: int) -> None:
+    sample_now = last_step == run.args.steps and run.args.sample_tokens > 0 and run.layout.tp_size == 1
+    if run.args.fsdp and sample_now:  # every rank generates (each forward all-gathers); rank 0 prints
+        try:
+            text = sample(run, model, run.args.sample_tokens)
+        except ValueError as err:
+            text = err
     if not run.layout.is_main:
         return
     records = read_metrics(run.out / "metrics.jsonl") if run.out else []
     if run.out is not None and records:
         plot_losses(records, run.out / PLOT_NAME, title=f"{run.args.model} GPT, {run.args.precision}")
     _plot_health(run, records)
-    if last_step == run.args.steps and run.args.sample_tokens > 0 and run.layout.tp_size == 1:
+    if sample_now:
         try:
-            text = sample(run, model, run.args.sample_tokens)
+            if not run.args.fsdp:
+                text = sample(run, model, run.args.sample_tokens)
+            if isinstance(text, ValueError):
+                raise text
             print(f"--- sample (temperature {_SAMPLE_TEMPERATURE}, top-k {_SAMPLE_TOP_K}) ---\n{text}\n---")
         except ValueError as err:  # non-finite logits (e.g. steps skipped with --skip-nonfinite): no sample
             print(f"no sample: {err}")
@@ -545,6 +572,9 @@ def _main(argv: Optional[list[str]]) -> int:
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())
     run.graph_problem = capture_problem(run.device, args.compile)
+    if args.fsdp and run.graph_problem is None:
+        run.graph_problem = ("CUDA graphs are not used with --fsdp (FSDP2 schedules its all-gathers and frees their "
+                             "memory from the host)")
     try:
         if run.checkpoint is not None and run.layout.world_size > 1:
             run.checkpoint = _select_sharded(run)

@@ -37,6 +37,7 @@ from fp8engine.parallel.mappings import (gather_from_tensor_model_parallel_regio
                                          scatter_to_tensor_model_parallel_region)
 from fp8engine.ops.init import init_linear_params
 from fp8engine.parallel.utils import divide, get_group_rank, get_group_size
+from fp8engine.parallel.fsdp import local_tensor
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "init_full_linear", "all_reduce_sequence_parallel_grads"]
 
@@ -213,7 +214,7 @@ def all_reduce_sequence_parallel_grads(module: nn.Module, tp_group) -> None:
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
             if g is not None:
-                grads.append(g)
+                grads.append(local_tensor(g))  # under FSDP: this rank's shard (the same one on every tp rank)
     if not grads:
         return
     dtype = torch.float32

@@ -33,6 +33,8 @@ class Layout:
     tp_rank: int = 0
     dp_group: Any = None
     tp_group: Any = None
+    #: the 1-D ``DeviceMesh`` of the data-parallel ranks (FSDP2 shards over it); None for one process
+    dp_mesh: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -74,7 +76,8 @@ def init_layout(tp: int, device: torch.device, timeout: Optional[float] = None) 
 
     env = init_parallel(tp, backend=None if device.type == "cuda" else "gloo", timeout=timeout)
     return Layout(dist.get_rank(), dist.get_world_size(), env.dp_rank, env.dims.dp, env.dims.tp, env.tp_rank,
-                  env.dp_group if env.dims.dp > 1 else None, env.tp_group if env.dims.tp > 1 else None)
+                  env.dp_group if env.dims.dp > 1 else None, env.tp_group if env.dims.tp > 1 else None,
+                  env.mesh["dp"])
 
 
 def wait_for_all(layout: Layout) -> None:
@@ -94,25 +97,36 @@ def all_reduce_sum(values: list[float], group, device) -> list[float]:
     return t.tolist()
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_group) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_group,
+                   fsdp_group=None) -> torch.Tensor:
     """Clip to a global L2 norm ``max_norm``; returns the norm before clipping (fp32 device scalar, no host
     synchronisation, so it can run inside a captured CUDA graph).
 
     With tensor parallelism a parameter holding a shard contributes its local sum of squares, summed over
     ``tp_group``; a replicated one (norms and row-parallel biases, marked with a ``sequence_parallel``
-    attribute by the layers) is counted once (Megatron's ``clip_grad_norm_fp32``).
+    attribute by the layers) is counted once (Megatron's ``clip_grad_norm_fp32``). With FSDP (``fsdp_group``:
+    the data-parallel group the gradients are sharded over, as ``DTensor`` shards) each rank sums the squares of
+    its local shards and the sums are added over ``fsdp_group`` too.
     """
+    from fp8engine.parallel.fsdp import local_tensor
+
     params = [p for p in params if p.grad is not None]
-    if tp_group is None:
+    if tp_group is None and fsdp_group is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    sharded = [p.grad for p in params if not hasattr(p, "sequence_parallel")]
-    replicated = [p.grad for p in params if hasattr(p, "sequence_parallel")]
-    device = params[0].grad.device
+    grads = [local_tensor(p.grad) for p in params]
+    sharded = [g for p, g in zip(params, grads) if not hasattr(p, "sequence_parallel")]
+    replicated = [g for p, g in zip(params, grads) if hasattr(p, "sequence_parallel")]
+    device = grads[0].device
     sq_sharded = sum((g.float().pow(2).sum() for g in sharded), torch.zeros((), device=device))
-    dist.all_reduce(sq_sharded, group=tp_group)
-    sq = sq_sharded + sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=device))
-    norm = sq.sqrt()
+    sq_replicated = sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=device))
+    if fsdp_group is not None:  # the shards of every parameter are disjoint over the data-parallel ranks
+        both = torch.stack([sq_sharded, sq_replicated])
+        dist.all_reduce(both, group=fsdp_group)
+        sq_sharded, sq_replicated = both[0], both[1]
+    if tp_group is not None:
+        dist.all_reduce(sq_sharded, group=tp_group)
+    norm = (sq_sharded + sq_replicated).sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
     return norm

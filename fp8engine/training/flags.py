@@ -97,6 +97,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun; the other "
                                                      "processes form data-parallel replicas)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: norms/dropout on sequence shards")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the data-parallel replicas' parameters, gradients and AdamW state with FSDP2 "
+                        "(fully_shard per layer; composes with --tp as a 2-D mesh) instead of replicating them")
     p.add_argument("--out", help="directory for metrics.jsonl, checkpoint.pt and loss.png")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--sample-tokens", type=int, default=300, help="tokens to generate at the end (0: none)")

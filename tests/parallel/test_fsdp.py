@@ -1,0 +1,63 @@
+"""fp8engine.parallel.fsdp on 2 gloo ranks: FSDP2 over a GPT in FP8 against the unsharded model, the sharded
+gradient norm and clipping against torch's on the full gradients, parameter marks kept through sharding."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from _parallel_harness import run_ranks
+import fp8engine
+from fp8engine.models import GPT, GPTConfig
+from fp8engine.parallel.fsdp import is_sharded, local_tensor, shard_model
+from fp8engine.training.distributed import clip_grad_norm
+
+_CONFIG = GPTConfig(n_layer=2, n_head=4, hidden_size=64, ffn_hidden_size=256, max_seq_len=32, vocab_size=128)
+
+
+def _step(model, tokens, recipe, group=None):
+    with fp8engine.fp8_autocast(True, recipe, fp8_group=group):
+        loss = model(tokens, tokens.roll(-1, 1))
+    loss.backward()
+    return loss.detach()
+
+
+def _check(rank, world_size, recipe_name):
+    recipe = {"delayed": fp8engine.DelayedScaling(), "current": fp8engine.CurrentScaling()}[recipe_name]
+    references = []
+    for _ in range(world_size):  # one unsharded model per half-batch: each starts from the initial FP8 state
+        torch.manual_seed(0)
+        references.append(GPT(_CONFIG))
+    reference = references[0]
+    torch.manual_seed(0)
+    model = GPT(_CONFIG)
+    model.layers[0].self_attention.proj.weight.mark = "kept"
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard_model(model, mesh, model.layers)
+    assert is_sharded(model.layers[0].self_attention.proj.weight)
+    assert model.layers[0].self_attention.proj.weight.mark == "kept"  # attributes survive fully_shard
+    tokens = torch.randint(0, 128, (2 * world_size, 32), generator=torch.Generator().manual_seed(5))
+    mine = tokens.chunk(world_size)[rank]
+    loss = _step(model, mine, recipe, dist.group.WORLD)
+    # the reference: each rank's half of the batch in one process, gradients averaged (what FSDP reduce-scatters)
+    losses = [_step(ref, half, recipe) for ref, half in zip(references, tokens.chunk(world_size))]
+    torch.testing.assert_close(loss, losses[rank], rtol=0, atol=0)  # same weights, same FP8 math on this half
+    grads = [dict((n, p.grad) for n, p in ref.named_parameters()) for ref in references]
+    full = {n: sum(g[n] for g in grads) / world_size for n in grads[0]}  # the replicas' average
+    for name, p in model.named_parameters():
+        got = p.grad.full_tensor()
+        # fp32 sums of two halves' gradients in another order: a few ulps
+        torch.testing.assert_close(got, full[name], rtol=1e-5, atol=1e-7, msg=name)
+    norm = clip_grad_norm(list(model.parameters()), 0.5, None, dist.group.WORLD)
+    for n, p in reference.named_parameters():
+        p.grad = full[n]
+    want = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5)
+    torch.testing.assert_close(norm, want, rtol=1e-5, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), dict(reference.named_parameters())[name].grad, rtol=1e-5,
+                                   atol=1e-7, msg=name)
+    assert local_tensor(p.grad).numel() <= -(-p.shape[0] // world_size) * p[0].numel()  # this rank's shard only
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fsdp_gpt_matches_the_unsharded_model(recipe):
+    run_ranks(_check, 2, recipe)

@@ -1,0 +1,61 @@
+"""The training command with ``--fsdp`` (FSDP2, ``fp8engine.parallel.fsdp``) on gloo ranks on the CPU.
+
+- 2 processes, fp32: the losses (and validation losses) of one process with the same global batch, within the
+  DDP test's bound (rtol 1e-4, ``tests/test_train.py``: summation order only);
+- 2 processes, FP8 with dropout, stopped and resumed from the ``torch.distributed.checkpoint`` of the sharded
+  parameters and AdamW state: the losses of an uninterrupted run, exactly;
+- 4 processes as FSDP 2 x tensor parallel 2 (sequence parallel): the one-process losses within the same bound;
+- one process with ``--fsdp``: exit 2 and one line.
+"""
+import numpy as np
+import pytest
+
+from fp8engine.train import main
+from fp8engine.training.metrics import read_metrics
+from tests._train_cli import run_torchrun
+
+QUICK = ["--batch-size", "4", "--seq-len", "32", "--eval-iters", "3", "--sample-tokens", "0", "--device", "cpu"]
+
+
+def _losses(out):
+    return [(r["step"], r["loss"], r.get("val_loss")) for r in read_metrics(out / "metrics.jsonl")]
+
+
+def _torchrun(nproc, *args):
+    rc, _, stderr = run_torchrun(nproc, *map(str, args), timeout=300)
+    assert rc == 0, stderr[-3000:]
+
+
+def _close(got, want):
+    assert [s for s, _, _ in got] == [s for s, _, _ in want]
+    np.testing.assert_allclose([l for _, l, _ in got], [l for _, l, _ in want], rtol=1e-4)
+    np.testing.assert_allclose([v for _, _, v in got if v], [v for _, _, v in want if v], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_runs_match_one_process(tmp_path, text_file):
+    common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--precision", "fp32", *QUICK]
+    assert main(list(map(str, common + ["--grad-accum", "2", "--out", tmp_path / "one"]))) == 0
+    _torchrun(2, *common, "--fsdp", "--out", tmp_path / "fsdp")
+    _close(_losses(tmp_path / "fsdp"), _losses(tmp_path / "one"))
+    # 4 ranks: FSDP over 2 data-parallel ranks x 2-way tensor + sequence parallelism (one process: 2 micro-batches)
+    _torchrun(4, *common, "--fsdp", "--tp", "2", "--sequence-parallel", "--out", tmp_path / "fsdp_tp")
+    _close(_losses(tmp_path / "fsdp_tp"), _losses(tmp_path / "one"))
+
+
+@pytest.mark.slow
+def test_fsdp_resume_is_exact(tmp_path, text_file):
+    common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--precision", "fp8", "--dropout", "0.1",
+              "--fsdp", *QUICK]
+    _torchrun(2, *common, "--out", tmp_path / "full")
+    _torchrun(2, *common, "--out", tmp_path / "split", "--stop-at", "3")
+    _torchrun(2, *common, "--out", tmp_path / "split", "--resume")
+    full = _losses(tmp_path / "full")
+    assert [s for s, _, _ in full] == list(range(1, 7))
+    assert _losses(tmp_path / "split") == full  # exact float equality
+
+
+def test_fsdp_needs_data_parallel_processes(text_file, capsys):
+    assert main(["--data", str(text_file), "--steps", "1", "--fsdp", *QUICK]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--fsdp shards over data-parallel processes" in err
