@@ -117,6 +117,8 @@ def _setup(model_name: str, mode: str, args: argparse.Namespace):
         argv += ["--data", args.data]
     if args.tp > 1:
         argv += ["--tp", str(args.tp)] + (["--sequence-parallel"] if args.sequence_parallel else [])
+    if args.fsdp:
+        argv += ["--fsdp"]
     run = T.prepare(T.build_parser().parse_args(argv))
     run.layout = args.layout
     if run.device.type == "cuda":
@@ -172,7 +174,8 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     peak = _peak_tflops()
     world = run.layout.world_size
     row = {"model": model_name, "mode": mode, "batch": f"{run.args.batch_size}x{run.args.seq_len}",
-           "layout": _layout_name(run.layout, run.args.sequence_parallel), "vocab": run.config.vocab_size,
+           "layout": _layout_name(run.layout, run.args.sequence_parallel, run.args.fsdp),
+           "vocab": run.config.vocab_size,
            "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / world,
            "model_tflops": flops / world, "mfu": flops / world / peak if peak else float("nan"),
            "peak_mem_gib": peak_memory_gib(),
@@ -218,11 +221,11 @@ def _guard_cost(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     return row
 
 
-def _layout_name(layout, sequence_parallel: bool) -> str:
+def _layout_name(layout, sequence_parallel: bool, fsdp: bool = False) -> str:
     if layout.world_size == 1:
         return "1 GPU"
     parts = ([f"tp{layout.tp_size}" + ("-sp" if sequence_parallel else "")] if layout.tp_size > 1 else []) + \
-        ([f"dp{layout.dp_size}"] if layout.dp_size > 1 else [])
+        ([f"{'fsdp' if fsdp else 'dp'}{layout.dp_size}"] if layout.dp_size > 1 else [])
     return " x ".join(parts)
 
 
@@ -242,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun (the rest of the "
                                                      "processes are data-parallel replicas)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: sequence parallelism")
+    p.add_argument("--fsdp", action="store_true", help="the data-parallel replicas shard with FSDP2 (the command's "
+                                                       "--fsdp)")
     p.add_argument("--baseline", default="bf16", help="the mode the vs_base column divides by (default bf16)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--json", help="write the rows to this JSON file")

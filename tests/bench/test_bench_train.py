@@ -66,7 +66,8 @@ def test_default_data_is_gpt2_vocabulary(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,name", [(["--tp", "2", "--sequence-parallel"], "tp2-sp"), ([], "dp2")])
+@pytest.mark.parametrize("layout,name", [(["--tp", "2", "--sequence-parallel"], "tp2-sp"), ([], "dp2"),
+                                         (["--fsdp"], "fsdp2")])
 def test_bench_train_under_torchrun(tmp_path, layout, name):
     """2 gloo processes: one row per mode from rank 0, in the layout asked for, tokens counted over the global
     batch (dp replicas each run --batch-size) and per GPU."""
@@ -79,7 +80,7 @@ def test_bench_train_under_torchrun(tmp_path, layout, name):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["bf16", "fp8-delayed"] and {r["layout"] for r in rows} == {name}
-    replicas = 2 if name == "dp2" else 1
+    replicas = 1 if name == "tp2-sp" else 2
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(replicas * 2 * 16 / (r["step_ms"] / 1e3))
         assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
