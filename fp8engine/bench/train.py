@@ -12,8 +12,11 @@ Modes: ``bf16`` (eager), ``bf16-compile`` (``--compile --no-cuda-graphs``: ``tor
 one by one), ``fp8-delayed-graph`` and ``fp8-current-graph`` (the command's default on CUDA),
 ``fp8-delayed-compile`` and ``fp8-current-compile`` (``--compile --no-cuda-graphs``: Inductor; its first steps,
 which compile, fall in the skipped warm-up), ``fp8-*-compile-graph`` (``--compile`` on CUDA: the compiled step
-captured in the command's CUDA graph), ``fp8-block`` and ``fp8-block-graph``. Model FLOPs per token: ``6 N + 12 L h s`` (N = non-embedding parameters plus the tied LM head,
-L layers, h width, s context; the PaLM paper's appendix B formula), so MFU counts no recomputation.
+captured in the command's CUDA graph), ``fp8-block`` and ``fp8-block-graph``. Peers, the same GPT in plain
+PyTorch (:mod:`fp8engine.bench.plain_gpt`): ``plain-bf16``, ``plain-bf16-compile`` and ``torchao-fp8-compile``
+(torchao.float8, with its FP8 all-gather under ``--fsdp``). Model FLOPs per token: ``6 N + 12 L h s`` (N =
+non-embedding parameters plus the tied LM head, L layers, h width, s context; the PaLM paper's appendix B
+formula), so MFU counts no recomputation.
 
 Data: by default token bins of random GPT-2 ids (< 50257, vocabulary padded to 50304: the vocabulary users train
 ``gpt2-124m`` and ``1b`` with; random ids time the same GEMMs and loss as real text), written once to a
@@ -44,6 +47,7 @@ import torch
 
 from fp8engine._cli import CommandParser
 from fp8engine.bench.common import env_info, peak_memory_gib, print_table, write_json
+from fp8engine.bench.plain_gpt import PEER_MODES
 
 __all__ = ["main", "MODES", "model_flops_per_token"]
 
@@ -109,8 +113,9 @@ def _setup(model_name: str, mode: str, args: argparse.Namespace):
     """The training command's run, model, step model and optimizer for ``mode`` (built as the command does)."""
     from fp8engine import train as T
 
+    flags = MODES.get(mode, ["--precision", "bf16", "--no-cuda-graphs"])  # peers: the bf16 run's data and batch
     argv = ["--model", model_name, "--batch-size", str(args.batch_size or BATCH[model_name]),
-            "--steps", str(args.steps), "--device", args.device, "--sample-tokens", "0", *MODES[mode]]
+            "--steps", str(args.steps), "--device", args.device, "--sample-tokens", "0", *flags]
     if args.seq_len:
         argv += ["--seq-len", str(args.seq_len)]
     if args.data:
@@ -124,7 +129,51 @@ def _setup(model_name: str, mode: str, args: argparse.Namespace):
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())
     run.graph_problem = T.capture_problem(run.device, run.args.compile)
+    if mode in PEER_MODES:
+        from fp8engine.bench.plain_gpt import build_peer
+
+        torch.manual_seed(run.args.seed)
+        model, run.peer_after_step = build_peer(mode, run.config, run.device, run.layout, run.args.fsdp)
+        return run, model, model, T.make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     return (run, *T._build(run))
+
+
+class _PeerStep:
+    """The command's eager step for a plain PyTorch peer (:mod:`fp8engine.bench.plain_gpt`): micro-batches under
+    ``torch.autocast(bf16)``, data-parallel gradient averaging (the command's averager; FSDP2's reduce-scatter
+    under ``--fsdp``), clipping to norm 1, AdamW, zeroed gradients, then the peer's ``after_step``."""
+
+    found_inf = None
+
+    def __init__(self, run, model, optimizer):
+        from fp8engine.parallel.data_parallel import GradientAverager
+
+        self.run, self.model, self.optimizer = run, model, optimizer
+        self.params = list(model.parameters())
+        layout = run.layout
+        self.averager = (GradientAverager(self.params, layout.dp_group, bucket_mb=100.0)
+                         if layout.dp_size > 1 and not run.args.fsdp else None)
+        self.fsdp_group = layout.dp_group if run.args.fsdp else None
+
+    def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        from fp8engine.training.distributed import clip_grad_norm
+
+        run = self.run
+        xs, ys = xs.to(run.device), ys.to(run.device)
+        total = torch.zeros((), device=run.device)
+        for micro in range(run.args.grad_accum):
+            with torch.autocast(run.device.type, dtype=torch.bfloat16):
+                loss = self.model(xs[micro], ys[micro])
+            (loss / run.args.grad_accum).backward()
+            total += loss.detach().float()
+        if self.averager is not None:
+            self.averager.finish()
+        clip_grad_norm(self.params, 1.0, None, self.fsdp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if run.peer_after_step is not None:
+            run.peer_after_step()
+        return total / run.args.grad_accum
 
 
 def _timed_step(run, step_fn, optimizer, step: int) -> tuple[float, float]:
@@ -160,7 +209,8 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     from fp8engine.training.step import CUDAGraphStep
 
     run, model, step_model, optimizer = _setup(model_name, mode, args)
-    step_fn = T.make_step(run, model, step_model, optimizer, guard=not args.no_guard)
+    step_fn = (_PeerStep(run, model, optimizer) if mode in PEER_MODES
+               else T.make_step(run, model, step_model, optimizer, guard=not args.no_guard))
     tokens = run.args.batch_size * run.args.seq_len * run.layout.dp_size  # the global batch of one step
     peak_memory_gib(reset=True)
     times, losses = [], []
@@ -179,7 +229,8 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
            "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / world,
            "model_tflops": flops / world, "mfu": flops / world / peak if peak else float("nan"),
            "peak_mem_gib": peak_memory_gib(),
-           "graphed": isinstance(step_fn, CUDAGraphStep), "guard": not args.no_guard, "loss_first": losses[0],
+           "graphed": isinstance(step_fn, CUDAGraphStep), "guard": not args.no_guard and mode not in PEER_MODES,
+           "loss_first": losses[0],
            "loss_last": losses[-1]}
     del model, step_model, optimizer, step_fn
     _release()
@@ -232,7 +283,8 @@ def _layout_name(layout, sequence_parallel: bool, fsdp: bool = False) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="python -m fp8engine.bench train", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt2-124m,1b", help="comma-separated model names of the training command")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}; plain "
+                                                           f"PyTorch peers: {', '.join(PEER_MODES)}")
     p.add_argument("--steps", type=int, default=30, help="steps per mode (>= skip + 1)")
     p.add_argument("--skip", type=int, default=5, help="first steps left out of the median (warm-up, capture)")
     p.add_argument("--batch-size", type=int, help="micro-batch size (default: gpt2-124m 16, 1b 4)")
@@ -263,7 +315,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in MODES] + [m for m in models if m not in BATCH]
+    unknown = [m for m in modes if m not in MODES and m not in PEER_MODES] + [m for m in models if m not in BATCH]
     if unknown or args.steps < args.skip + 1 or args.skip < 0:  # usage errors: one line, exit 2
         parser.error(f"unknown model/mode {unknown} or --steps {args.steps} <= --skip {args.skip}; "
                      f"models: {', '.join(BATCH)}; modes: {', '.join(MODES)}")

@@ -85,3 +85,19 @@ def test_bench_train_under_torchrun(tmp_path, layout, name):
         assert r["tokens_per_s"] == pytest.approx(replicas * 2 * 16 / (r["step_ms"] / 1e3))
         assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
     assert proc.stdout.count("fp8-delayed:") == 1  # rank 0 reports, rank 1 is quiet
+
+
+def test_plain_pytorch_peer_rows(tmp_path):
+    """The plain PyTorch GPT peer (fp8engine.bench.plain_gpt) is timed beside the command's modes on the same data
+    and batch: same parameter count as the command's GPT of that config, one row each."""
+    from fp8engine.bench.plain_gpt import PlainGPT
+    from fp8engine.models import GPT, GPTConfig
+
+    for config in (GPTConfig(), GPTConfig(num_gqa_groups=2, normalization="RMSNorm", activation="swiglu")):
+        assert sum(p.numel() for p in PlainGPT(config).parameters()) == GPT(config).num_params()
+    out = tmp_path / "rows.json"
+    assert main(["--device", "cpu", "--models", "tiny", "--modes", "bf16,plain-bf16", "--steps", "2", "--skip",
+                 "1", "--seq-len", "16", "--batch-size", "2", "--vocab", "bytes", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["bf16", "plain-bf16"] and all("error" not in r for r in rows)
+    assert abs(rows[1]["loss_first"] - rows[0]["loss_first"]) < 1.0  # the same task at init, another init
