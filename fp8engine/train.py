@@ -225,7 +225,9 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
             layer.fused = False
     if run.args.fsdp:  # before the optimizer: it holds the DTensor shards; bf16 all-gathers where autocast is on
         param_dtype = torch.bfloat16 if run.device.type == "cuda" and run.args.precision != "fp32" else None
-        shard_model(model, layout.dp_mesh, model.layers, param_dtype=param_dtype)
+        fp8_gather = (run.args.fp8_all_gather and run.args.precision == "fp8"
+                      and run.args.recipe in ("delayed", "current"))
+        shard_model(model, layout.dp_mesh, model.layers, param_dtype=param_dtype, fp8_all_gather=fp8_gather)
     optimizer = make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     if run.checkpoint is not None and layout.world_size > 1:
         run.checkpoint.update(load_sharded(run.checkpoint["dir"], layout, model, optimizer,

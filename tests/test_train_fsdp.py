@@ -59,3 +59,17 @@ def test_fsdp_needs_data_parallel_processes(text_file, capsys):
     assert main(["--data", str(text_file), "--steps", "1", "--fsdp", *QUICK]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--fsdp shards over data-parallel processes" in err
+
+
+@pytest.mark.slow
+def test_fp8_all_gather_trains_like_the_bf16_all_gather(tmp_path, text_file):
+    """FP8 weights all-gathered as FP8 bytes (the default of --fsdp under FP8) against --no-fp8-all-gather: the
+    GEMMs see the same FP8 weights; what differs is the weight amax delayed scaling records (that of the weight
+    already on the FP8 grid, at most one FP8 step off), so the losses agree to well within FP8's 2-3 significant
+    digits (measured: < 0.3 % over 6 steps; bound 1 %)."""
+    common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--precision", "fp8", "--fsdp", *QUICK]
+    _torchrun(2, *common, "--out", tmp_path / "fp8")
+    _torchrun(2, *common, "--no-fp8-all-gather", "--out", tmp_path / "bf16")
+    fp8, bf16 = _losses(tmp_path / "fp8"), _losses(tmp_path / "bf16")
+    assert fp8[0][1] == bf16[0][1]  # step 1: the same scales, the same FP8 weights, the same loss
+    np.testing.assert_allclose([l for _, l, _ in fp8], [l for _, l, _ in bf16], rtol=1e-2)

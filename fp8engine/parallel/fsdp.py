@@ -33,7 +33,7 @@ def dp_mesh(parallel_env) -> object:
 
 def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module], *,
                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = torch.float32,
-                reshard_after_forward: bool = True) -> torch.nn.Module:
+                reshard_after_forward: bool = True, fp8_all_gather: bool = False) -> torch.nn.Module:
     """``fully_shard`` each of ``layers`` (e.g. ``model.layers``) and then ``model`` itself over ``mesh``.
 
     Args:
@@ -44,6 +44,8 @@ def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module],
         reduce_dtype: gradient reduce-scatter dtype (None: ``param_dtype``).
         reshard_after_forward: free each layer's gathered parameters after its forward (re-gathered for the
             backward; ZeRO-3). False keeps them until the backward (ZeRO-2-like: more memory, fewer all-gathers).
+        fp8_all_gather: all-gather the FP8 GEMM weights as FP8 bytes
+            (:mod:`fp8engine.parallel.fsdp_fp8`; delayed and current scaling), the others in ``param_dtype``.
     Returns:
         ``model`` (``fully_shard`` changes it in place into an ``FSDPModule``).
     Raises:
@@ -57,6 +59,10 @@ def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module],
     # fully_shard replaces each parameter by a DTensor parameter: carry over the attributes the layers set on
     # theirs (``sequence_parallel`` marks the replicated ones the tensor-parallel gradient code sums over tp)
     marks = {name: dict(p.__dict__) for name, p in model.named_parameters()}
+    if fp8_all_gather:
+        from fp8engine.parallel.fsdp_fp8 import enable_fp8_all_gather
+
+        enable_fp8_all_gather(model, mesh.size())
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fp8engine.parallel.fsdp_fp8 import unwrap_state_dict
 from fp8engine.training import UsageError
 from fp8engine.training.checkpoint import atomic_write, capture_rng_state, file_crc32
 
@@ -131,6 +132,7 @@ def _sharded_state(layout, model: torch.nn.Module, optimizer: torch.optim.Optimi
     and lr 0, which leaves the parameters as they are), so on load the template has the saved shapes.
     """
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd = unwrap_state_dict(model_sd)  # FSDP2 FP8 all-gather weights: their plain shards
     buffer_names = {name for name, _ in model.named_buffers(remove_duplicate=False)}
     t, r = f"tp{layout.tp_rank}", f"rank{layout.rank}"
     return {f"{t}/model": {k: v for k, v in model_sd.items() if k not in buffer_names},

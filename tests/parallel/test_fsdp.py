@@ -61,3 +61,42 @@ def _check(rank, world_size, recipe_name):
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_fsdp_gpt_matches_the_unsharded_model(recipe):
     run_ranks(_check, 2, recipe)
+
+
+def _check_fp8_all_gather(rank, world_size, recipe_name):
+    """The FP8 all-gather's bytes equal the cast of the unsharded weight with the same scale, bit for bit, and
+    the unsharded parameter the module computes with is that FP8 weight dequantized."""
+    from fp8engine.fp8.dtypes import fp8_max_of
+    from fp8engine.fp8.float8_tensor import current_scale
+    from fp8engine.modules.linear import Linear
+    from fp8engine.parallel.fsdp_fp8 import FP8AllGatherWeight, fp8_weight_rows
+
+    recipe = {"delayed": fp8engine.DelayedScaling(), "current": fp8engine.CurrentScaling()}[recipe_name]
+    torch.manual_seed(0)
+    layer = Linear(32, 64)
+    (module, name, state, row), = fp8_weight_rows(layer)
+    assert (module, name) == (layer, "weight")
+    state.scale[row] = 37.5  # a delayed-scaling scale that is not a power of two
+    full = layer.weight.detach().clone()
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard_model(layer, mesh, [], fp8_all_gather=True)
+    local = layer.weight._local_tensor
+    assert isinstance(local, FP8AllGatherWeight)
+    with fp8engine.fp8_autocast(True, recipe, fp8_group=dist.group.WORLD):
+        (q,), (scale_inv, dtype) = local.fsdp_pre_all_gather(mesh, None, None, None, None)
+        assert q.dtype == torch.uint8 and q.element_size() == 1  # half of bf16's bytes
+        gathered = torch.empty(world_size * q.numel(), dtype=torch.uint8)
+        dist.all_gather_into_tensor(gathered, q.reshape(-1))
+        scale = (state.scale[row:row + 1].clone() if recipe_name == "delayed"  # (the exit updates the state)
+                 else current_scale(full.abs().amax(), dtype))
+        want = (full * scale).clamp(-fp8_max_of(dtype), fp8_max_of(dtype)).to(dtype)
+        assert torch.equal(gathered.view(dtype).view(64, 32).view(torch.uint8), want.view(torch.uint8))
+        seen = {}
+        layer.register_forward_pre_hook(lambda m, args: seen.setdefault("w", m.weight.detach().clone()))
+        layer(torch.randn(8, 32))
+    torch.testing.assert_close(seen["w"], want.float() * scale.reciprocal(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fp8_all_gather_equals_cast_then_gather(recipe):
+    run_ranks(_check_fp8_all_gather, 2, recipe)

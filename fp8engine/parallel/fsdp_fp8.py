@@ -1,0 +1,173 @@
+"""FSDP2 all-gathers of FP8 weights: half the bytes of a bf16 all-gather (torchao's
+``enable_fsdp_float8_all_gather``, on fp8engine's scaling state).
+
+:func:`enable_fp8_all_gather` wraps the shard of every FP8 GEMM weight in a :class:`FP8AllGatherWeight` before
+``fully_shard``. FSDP2 then calls its all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``):
+
+1. pre: this rank casts its shard to the forward FP8 format with the weight's scale *for the whole weight*:
+   delayed scaling: the module's scale for that weight row (``ScalingState.scale``, the same on every rank: the
+   amax histories are MAX-reduced over the data-parallel group); current scaling: ``fp8_max / amax`` of the whole
+   weight, its amax the MAX of the shards' amaxes (one small all-reduce over the FSDP group). Quantization is
+   element-wise, so the gathered bytes equal the cast of the unsharded weight bit for bit.
+2. the all-gather moves ``uint8`` bytes;
+3. post: the gathered FP8 weight is dequantized (``q * scale_inv``) into the unsharded parameter in
+   ``param_dtype``. The module's own cast of it (same scale) gives back exactly the gathered FP8 bits: the
+   dequantized value lies within bf16's rounding of ``q * scale_inv``, far inside half an FP8 step, so the
+   GEMMs use the bits that crossed the wire. What differs from a bf16 all-gather: the weight the module sees is
+   already on the FP8 grid, so the amax it records for delayed scaling is the max of the quantized weight (at
+   most one FP8 step from the true amax), and with current scaling it re-derives its scale from that amax.
+
+Gradients are untouched: FSDP2 reduce-scatters them in ``reduce_dtype`` as for any parameter. The wrapper only
+changes how the sharded weight is all-gathered; the optimizer updates its high-precision shard in place.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fp8engine.fp8.autocast import get_fp8_context
+from fp8engine.fp8.dtypes import fp8_dtype_of, fp8_max_of
+from fp8engine.fp8.float8_tensor import current_scale
+from fp8engine.recipe import CurrentScaling, DelayedScaling
+
+__all__ = ["FP8AllGatherWeight", "WeightScale", "enable_fp8_all_gather", "fp8_weight_rows", "unwrap_state_dict"]
+
+aten = torch.ops.aten
+#: Ops whose outputs stay wrapped (FSDP2's sharding: chunk, pad, copy, view; DTensor's detach): torchao's list.
+_KEEP_WRAPPED = {aten.detach.default, aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor,
+                 aten.copy_.default, aten.view.default, aten.as_strided.default, aten.split.Tensor,
+                 aten._pin_memory.default}
+#: FP8Module weight parameter -> its GEMM index (the state's rows are ``input, weight, grad_output`` per GEMM).
+_WEIGHT_GEMM = {"weight": 0, "fc1_weight": 0, "fc2_weight": 1}
+
+
+class WeightScale:
+    """Where a weight's FP8 scale comes from: its module's :class:`~fp8engine.fp8.state.ScalingState` and the
+    state's weight row. ``__call__(shard, group)`` -> ``(scale [1] float32, fp8 dtype)`` for the active recipe
+    (DelayedScaling or CurrentScaling; E4M3 unless the format's forward half is E5M2); outside an FP8 region the
+    delayed-scaling scale of the state, in E4M3."""
+
+    def __init__(self, state: nn.Module, row: int):
+        self.state, self.row = state, row
+
+    def __call__(self, shard: torch.Tensor, group) -> tuple[torch.Tensor, torch.dtype]:
+        ctx = get_fp8_context()
+        recipe = ctx.recipe if ctx is not None else DelayedScaling()
+        dtype = fp8_dtype_of(recipe.fp8_format.fwd)
+        if isinstance(recipe, CurrentScaling):
+            amax = shard.detach().abs().amax().float().reshape(1)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            return current_scale(amax, dtype), dtype
+        if not isinstance(recipe, DelayedScaling):
+            raise TypeError(f"the FP8 all-gather supports DelayedScaling and CurrentScaling; got "
+                            f"{type(recipe).__name__} (shard_model(..., fp8_all_gather=False) for it)")
+        return self.state.scale[self.row:self.row + 1], dtype
+
+
+class FP8AllGatherWeight(torch.Tensor):
+    """A weight shard (high precision) that FSDP2 all-gathers in FP8 (module docstring). Every other op sees the
+    plain shard: ``__torch_dispatch__`` unwraps it (keeping the wrapper on the sharding ops FSDP2 applies)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_source: WeightScale):
+        return torch.Tensor._make_wrapper_subclass(cls, data.size(), strides=data.stride(),
+                                                   storage_offset=data.storage_offset(), dtype=data.dtype,
+                                                   layout=data.layout, device=data.device,
+                                                   requires_grad=data.requires_grad)
+
+    def __init__(self, data: torch.Tensor, scale_source: WeightScale):
+        self._data, self._scale_source = data, scale_source
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"FP8AllGatherWeight({self._data!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        source = None
+
+        def unwrap(t):
+            nonlocal source
+            source = t._scale_source
+            return t._data
+
+        out = func(*pytree.tree_map_only(cls, unwrap, args), **pytree.tree_map_only(cls, unwrap, kwargs or {}))
+        if func not in _KEEP_WRAPPED:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, source), out)
+
+    def __tensor_flatten__(self):
+        return ["_data"], self._scale_source
+
+    @staticmethod
+    def __tensor_unflatten__(inner, scale_source, outer_size, outer_stride):
+        return FP8AllGatherWeight(inner["_data"], scale_source)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+        scale, dtype = self._scale_source(self._data, mesh.get_group())
+        q = torch.mul(self._data.detach(), scale).clamp_(-fp8_max_of(dtype), fp8_max_of(dtype)).to(dtype)
+        return (q.view(torch.uint8),), (scale.reciprocal(), dtype)
+
+    def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
+                             param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None):
+        (data,), (scale_inv, dtype) = all_gather_outputs, metadata
+        full = data.view(dtype).float().mul_(scale_inv)  # exact products of FP8 values and an fp32 scale_inv
+        if out is not None:  # FSDP2's unsharded parameter from the first all-gather, its storage re-allocated
+            # refilled as FSDP2 refills its own all-gather buffers: without a version bump (autograd saved this
+            # parameter in the forward; the backward's re-gather writes the same values)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(full)
+            return None
+        full = full.to(param_dtype)
+        return full, (full,)
+
+
+def fp8_weight_rows(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, int]]:
+    """``(module, parameter name, scaling state, weight row)`` of every FP8 GEMM weight parameter in ``model``
+    (modules with an ``fp8_state`` and a parameter named ``weight``, ``fc1_weight`` or ``fc2_weight``)."""
+    rows = []
+    for module in model.modules():
+        state = getattr(module, "fp8_state", None)
+        if state is None:
+            continue
+        for name, gemm in _WEIGHT_GEMM.items():
+            param = module._parameters.get(name)
+            row = 3 * gemm + 1
+            if param is not None and row < len(state.roles) and state.roles[row].endswith("weight"):
+                rows.append((module, name, state, row))
+    return rows
+
+
+def enable_fp8_all_gather(model: nn.Module, world_size: int) -> int:
+    """Wrap every FP8 GEMM weight of ``model`` (:func:`fp8_weight_rows`) whose dim 0 divides by ``world_size``
+    (the FSDP group's size: evenly sharded, no padding) so that a later ``fully_shard`` all-gathers it in FP8;
+    returns how many were wrapped. Call before ``fully_shard`` (what :func:`fp8engine.parallel.fsdp.shard_model`
+    does with ``fp8_all_gather=True``)."""
+    rows = [r for r in fp8_weight_rows(model) if r[0]._parameters[r[1]].shape[0] % world_size == 0]
+    for module, name, state, row in rows:
+        param = module._parameters[name]
+        wrapped = nn.Parameter(FP8AllGatherWeight(param.data, WeightScale(state, row)),
+                               requires_grad=param.requires_grad)
+        wrapped.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
+        module._parameters[name] = wrapped
+    return len(rows)
+
+
+def unwrap_state_dict(state: dict) -> dict:
+    """``state`` (a model state dict of DTensors) with each :class:`FP8AllGatherWeight` shard replaced by the plain
+    tensor it wraps (same storage): checkpoints hold plain tensors, and a load into the returned dict writes the
+    parameters themselves."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, t in state.items():
+        if isinstance(t, DTensor) and isinstance(t._local_tensor, FP8AllGatherWeight):
+            t = DTensor.from_local(t._local_tensor._data, t.device_mesh, t.placements, run_check=False,
+                                   shape=t.shape, stride=t.stride())
+        out[key] = t
+    return out
