@@ -146,8 +146,8 @@ class Float8BlockScaling:
     Per block: ``scale = fp8_max / amax(block)`` (1 where the amax is 0 or not finite), rounded down to a power of
     two when ``power_2_scale``; ``fp8 = saturate(x * scale)``, ``x ~= fp8 * scale_inv``, ``scale_inv = 1 / scale``.
     Layouts and kernels: :mod:`fp8engine.fp8.block_tensor`, :mod:`fp8engine.kernels.block_cast`; the GEMM:
-    :mod:`fp8engine.ops.block_gemm`; the modules' path: :mod:`fp8engine.fp8.block_quantizer`,
-    :mod:`fp8engine.ops.block_linear` (feature dims multiples of 128).
+    :mod:`fp8engine.ops.block_gemm`; the quantizers :mod:`fp8engine.fp8.block_quantizer`, which the same ops as
+    the per-tensor recipes take (:mod:`fp8engine.ops.linear`; feature dims multiples of 128).
 
     Args:
         fp8_format: ``Format.E4M3`` (default, E4M3 everywhere, as DeepSeek-V3 and TransformerEngine's default) or

@@ -14,6 +14,15 @@ Scales are computed just in time from each block's own amax (``scale = fp8_max /
 ``power_2_scale``; rule and layouts in :mod:`fp8engine.kernels.block_cast`). Nothing is recorded into the module's
 amax history and the scaling state is never updated: the ``ScalingState`` buffers are untouched under this recipe.
 
+The interface is the per-tensor quantizer's: :meth:`BlockQuantizer.quantize` and :meth:`~BlockQuantizer.quantize_dbias`
+return a :class:`~fp8engine.fp8.block_tensor.Float8BlockTensor` that carries its transposed operand and its real row
+count (the token rows are zero-padded to a multiple of 128 for the re-tiled transpose) and knows its GEMMs, so the ops
+of :mod:`fp8engine.ops` run it without asking which recipe they serve. Where an op fuses a cast into another kernel
+(the norm, the activation and its gradient, the QKV gradient), it asks the quantizer for that fused cast
+(``cast_norm``, ``cast_act``, ``cast_act_grad``, ``cast_qkv_grad``: the block kernels of
+:mod:`fp8engine.kernels.block_norm`, ``.block_activation`` and ``.qkv_grad``); the per-tensor ``Quantizer`` has
+None there and the ops run their own fused kernels with its scale.
+
 Backend: :func:`fp8engine.fp8.float8_tensor.use_kernels` picks the Triton kernels (CUDA, or any device inside
 ``kernels_forced()``) or the plain-PyTorch references; both write the same FP8 bits and scales.
 """
@@ -22,16 +31,29 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from fp8engine.fp8.block_tensor import BLOCK_128x128, TILE_1x128, quantize_block
+from fp8engine.fp8.block_tensor import BLOCK_128x128, TILE_1x128, Float8BlockTensor, quantize_block
 from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import use_kernels
 
-__all__ = ["BlockQuantizer", "BlockPair", "block_quantizers_for"]
+__all__ = ["BlockQuantizer", "block_quantizers_for", "BLOCK_DTYPES"]
 
-#: What :meth:`BlockQuantizer.quantize` returns: ``(q, q_t)``, ``q`` the ``[M, K]`` operand and ``q_t`` its
-#: ``[K, M]`` transposed operand (re-tiled for 1 x 128 tiles), or None when no transpose was asked for.
-BlockPair = tuple
+#: High-precision dtypes the block GEMM takes and writes (``torch.nn.functional.scaled_mm``'s block-wise outputs).
+BLOCK_DTYPES = (torch.bfloat16, torch.float32)
+_B = TILE_1x128[1]
+
+
+def _pad_rows(x2: torch.Tensor) -> torch.Tensor:
+    """``x2 [M, K]`` with zero rows appended up to a multiple of 128 (itself when M is one)."""
+    pad = -x2.shape[0] % _B
+    return F.pad(x2, (0, 0, 0, pad)) if pad else x2
+
+
+def _tiled(data, sinv, data_t, sinv_t, dtype, rows: int) -> Float8BlockTensor:
+    """A 1 x 128 :class:`Float8BlockTensor` from a kernel's outputs (rows padded), with its transpose if written."""
+    t = None if data_t is None else Float8BlockTensor(data_t, sinv_t, TILE_1x128, dtype)
+    return Float8BlockTensor(data, sinv, TILE_1x128, dtype, rows, t)
 
 
 class BlockQuantizer:
@@ -44,8 +66,8 @@ class BlockQuantizer:
         power_2_scale: the recipe's ``power_2_scale`` (power-of-two block scales).
         role: the role name (for messages).
         use_kernel: None (default): :func:`~fp8engine.fp8.float8_tensor.use_kernels` decides per tensor; True /
-            False forces the Triton kernels / the plain-PyTorch reference (tests, ``ops.block_linear``'s argument).
-        kind: ``"block"``. ``is_block``: True (the per-tensor ``Quantizer`` has False: the modules branch on it).
+            False forces the Triton kernels / the plain-PyTorch reference (tests, ``ops.linear.block_linear``).
+        kind: ``"block"``. ``is_block``: True (the per-tensor ``Quantizer`` has False).
         delayed, scale, amax, stats: False / None / None / None, so per-tensor code that inspects a quantizer (e.g.
             the norm op's fused-cast test ``quantizer.delayed``) takes its unfused branch; ``record_amax`` is False
             (nothing recorded; FP8 cast statistics are not counted for block casts).
@@ -70,25 +92,39 @@ class BlockQuantizer:
         self.fp8_dtype, self.block, self.power_2_scale, self.role = fp8_dtype, block, power_2_scale, role
         self.use_kernel = use_kernel
 
-    def quantize(self, x: torch.Tensor, *, transpose: bool = False) -> BlockPair:
-        """Cast ``x`` (``[*, K]`` bf16 / fp16 / fp32, viewed as ``[M, K]``) in one kernel pass.
+    def _kernels(self, x: torch.Tensor) -> bool:
+        return use_kernels(x) if self.use_kernel is None else self.use_kernel
 
-        Returns:
-            ``(q, q_t)``: ``q`` the ``[M, K]`` :class:`Float8BlockTensor`; with ``transpose`` ``q_t`` the
-            ``[K, M]`` one (1 x 128: re-tiled along M; 128 x 128: the exact block transpose), else None.
+    def quantize(self, x: torch.Tensor, *, transpose: bool = False,
+                 amax: Optional[torch.Tensor] = None) -> Float8BlockTensor:
+        """Cast ``x`` (``[*, K]`` bf16 / fp32, viewed as ``[M, K]``) in one kernel pass: a
+        :class:`Float8BlockTensor` ``[M_pad, K]`` (1 x 128 tiles: the rows zero-padded to a multiple of 128,
+        ``rows = M``) holding, with ``transpose``, its ``[K, M_pad]`` transposed operand (re-tiled along M for
+        1 x 128, the exact block transpose for 128 x 128). ``amax``: accepted for the per-tensor interface (a
+        current-scaling amax), unused: block scales come from each block's own amax.
+
         Raises:
-            as :func:`fp8engine.fp8.block_tensor.quantize_block`.
+            TypeError: ``x`` neither bf16 nor fp32 (the block GEMMs' dtypes); as
+            :func:`fp8engine.fp8.block_tensor.quantize_block`.
         """
-        out = quantize_block(x, self.fp8_dtype, self.block, power_2_scale=self.power_2_scale,
-                             transpose=transpose,
-                             use_kernel=use_kernels(x) if self.use_kernel is None else self.use_kernel)
-        return out if transpose else (out, None)
+        if x.dtype not in BLOCK_DTYPES:
+            raise TypeError(f"Float8BlockScaling: a {x.dtype} tensor; the block-scaled GEMMs take bfloat16 or "
+                            "float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        rows = x2.shape[0]
+        out = quantize_block(_pad_rows(x2) if self.block == TILE_1x128 else x2, self.fp8_dtype, self.block,
+                             power_2_scale=self.power_2_scale, transpose=transpose, use_kernel=self._kernels(x))
+        q, q_t = out if transpose else (out, None)
+        q.rows, q._t = rows, q_t
+        return q
 
-    def quantize_dbias(self, dy: torch.Tensor, *, transpose: bool = True) -> tuple:
-        """Cast a gradient ``dy`` (``[*, N]``, viewed as ``[M, N]``; 1 x 128 tiles) and return its bias gradient,
-        the column sums, too: ``(q, q_t or None, dbias [N] in dy.dtype)`` (``quantize_block(..., dbias=True)``: the
-        kernels in one pass, :func:`fp8engine.kernels.block_cast.cast_1x128_dbias`; the reference ``dy.sum(0)`` in
-        fp32; the two differ only in the fp32 summation order).
+    def quantize_dbias(self, dy: torch.Tensor, *, transpose: bool = True,
+                       dbias: bool = True) -> tuple[Float8BlockTensor, Optional[torch.Tensor]]:
+        """Cast a gradient ``dy`` (``[*, N]``, viewed as ``[M, N]``; 1 x 128 tiles, rows padded as
+        :meth:`quantize`) and, with ``dbias``, return its bias gradient, the column sums, too: ``(q, dbias [N] in
+        dy.dtype or None)`` (``quantize_block(..., dbias=True)``: the kernels in one pass,
+        :func:`fp8engine.kernels.block_cast.cast_1x128_dbias`; the reference ``dy.sum(0)`` in fp32; the two differ
+        only in the fp32 summation order). An fp16 ``dy`` is cast from its fp32 copy (the GEMMs write no fp16).
 
         Raises:
             ValueError: this quantizer has 128 x 128 blocks (weights have no bias gradient); as :meth:`quantize`.
@@ -96,8 +132,68 @@ class BlockQuantizer:
         if self.block != TILE_1x128:
             raise ValueError(f"BlockQuantizer.quantize_dbias: role {self.role!r} has {self.block} blocks; a bias "
                              "gradient is cast with 1 x 128 tiles")
-        return quantize_block(dy, self.fp8_dtype, self.block, power_2_scale=self.power_2_scale, transpose=transpose,
-                              use_kernel=use_kernels(dy) if self.use_kernel is None else self.use_kernel, dbias=True)
+        if dy.dtype == torch.float16:
+            dy = dy.float()
+        if not dbias:
+            return self.quantize(dy, transpose=transpose), None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        q, q_t, db = quantize_block(_pad_rows(dy2), self.fp8_dtype, self.block, power_2_scale=self.power_2_scale,
+                                    transpose=transpose, use_kernel=self._kernels(dy), dbias=True)
+        q.rows, q._t = dy2.shape[0], q_t
+        return q, db
+
+    # -- the fused casts (module docstring): the block kernels, or None where they do not run ----------------------
+    def cast_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *,
+                  rms: bool, zero_centered_gamma: bool, transpose: bool, return_hp: bool, res: dict):
+        """LayerNorm / RMSNorm of a contiguous ``x [..., K]`` written 1 x 128-tiled by one kernel
+        (:func:`fp8engine.kernels.block_norm.norm_fwd_1x128`, rows padded, its re-tiled transpose when
+        ``transpose``): ``(y or None, y_fp8, mean, rstd)``, the norm op's layout (its backward is the per-tensor
+        norm's kernels). ``res``: ``{}`` or ``dict(residual=, residual_out=)`` (normalise ``x + residual``)."""
+        from fp8engine.kernels.block_norm import norm_fwd_1x128
+
+        y, data, sinv, data_t, sinv_t, mean, rstd = norm_fwd_1x128(
+            x, weight, None if rms else bias, eps, self.fp8_dtype, rms=rms, zero_centered_gamma=zero_centered_gamma,
+            power_2_scale=self.power_2_scale, transpose=transpose, pad_rows=True, return_hp=return_hp, **res)
+        return y, _tiled(data, sinv, data_t, sinv_t, x.dtype, x.numel() // x.shape[-1]), mean, rstd
+
+    def cast_act(self, h: torch.Tensor, kind: str, transpose: bool) -> Optional[Float8BlockTensor]:
+        """``act(h)`` for a contiguous ``h [M, D]`` written only in FP8 by the activation kernel
+        (:func:`fp8engine.kernels.block_activation.act_fwd_1x128`, rows padded), or None off the kernel path."""
+        if not self._kernels(h):
+            return None
+        from fp8engine.kernels.block_activation import act_fwd_1x128
+
+        out = act_fwd_1x128(h, kind, self.fp8_dtype, power_2_scale=self.power_2_scale, transpose=transpose,
+                            pad_rows=True)
+        return _tiled(*out, h.dtype, h.shape[0])
+
+    def cast_act_grad(self, da: torch.Tensor, h: torch.Tensor, kind: str, *, transpose: bool,
+                      dbias: bool) -> Optional[tuple]:
+        """``dh = da * act'(h)`` written only in FP8 by one kernel pass with its re-tiled transpose and column sums
+        (:func:`fp8engine.kernels.block_activation.act_bwd_1x128`): ``(dh_fp8, dbias or None)``, or None off the
+        kernel path."""
+        if not self._kernels(h):
+            return None
+        from fp8engine.kernels.block_activation import act_bwd_1x128
+
+        data, sinv, data_t, sinv_t, db = act_bwd_1x128(da, h, kind, self.fp8_dtype, transpose=transpose,
+                                                       power_2_scale=self.power_2_scale, pad_rows=True, dbias=dbias)
+        return _tiled(data, sinv, data_t, sinv_t, h.dtype, h.shape[0]), db
+
+    def cast_qkv_grad(self, dq, dk, dv, *, transpose: bool, dbias: bool, rope: Optional[tuple]) -> Optional[tuple]:
+        """The fused QKV projection's output gradient cast straight from ``dq, dk, dv`` (the rotation's gradient
+        applied in the gather when ``rope = (cos, sin)``; :func:`fp8engine.kernels.qkv_grad.qkv_grad_1x128`):
+        ``(dy_fp8 [T, C], dbias or None)``, or None where that kernel does not run (the reference path, a None
+        gradient, an fp16 gradient)."""
+        if dq is None or dk is None or dv is None or dq.dtype not in BLOCK_DTYPES or not self._kernels(dq):
+            return None
+        from fp8engine.kernels import qkv_grad as kq
+
+        cos, sin = rope if rope is not None else (None, None)
+        data, sinv, data_t, sinv_t, db = kq.qkv_grad_1x128(dq, dk, dv, self.fp8_dtype, transpose=transpose,
+                                                           power_2_scale=self.power_2_scale, dbias=dbias, cos=cos,
+                                                           sin=sin)
+        return _tiled(data, sinv, data_t, sinv_t, dq.dtype, dv.shape[0] * dv.shape[1]), db
 
     def __repr__(self) -> str:
         return (f"BlockQuantizer(role={self.role!r}, block={self.block}, fp8_dtype={self.fp8_dtype}, "

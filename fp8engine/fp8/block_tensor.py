@@ -16,7 +16,18 @@ Dims that are not multiples of 128 give partial edge tiles (scale from the eleme
 Transposes: a 128 x 128-blocked tensor transposes exactly (bytes and block grid: :meth:`Float8BlockTensor.t`). A
 1 x 128-tiled one does not (its tiles would become 128 x 1): dgrad / wgrad re-tile from the high-precision tensor,
 ``quantize_block(x, (1, 128), transpose=True)``, which computes new 1 x 128 scales along the other dim, as
-TransformerEngine's ``Float8BlockQuantizer`` does with ``columnwise_usage``.
+TransformerEngine's ``Float8BlockQuantizer`` does with ``columnwise_usage``. The cast that writes a tensor writes
+that copy with it (:meth:`~fp8engine.fp8.block_quantizer.BlockQuantizer.quantize` with ``transpose``), and the
+tensor carries it: :meth:`Float8BlockTensor.t_operand`, the operand the wgrad / dgrad GEMMs take.
+
+Token rows: the GEMMs' 1 x 128 tiles run along K, so the token count M need not be a multiple of 128, but the
+re-tiled transpose's tiles run along M: the casts zero-pad the rows to a multiple of 128 (a zero row adds nothing to
+any tile's amax or to the wgrad's sum) and the tensor remembers the real count (``rows``); the GEMMs drop the padded
+rows of their output (:mod:`fp8engine.ops.block_gemm`).
+
+The GEMMs of this type (``fprop``, ``dgrad``, ``wgrad``, ``wgrad_into``) are attached by
+:mod:`fp8engine.ops.block_gemm`, as :mod:`fp8engine.ops.linear` attaches the per-tensor ones to
+:class:`~fp8engine.fp8.float8_tensor.Float8Tensor`: the ops call them on whichever FP8 tensor a quantizer returned.
 """
 from __future__ import annotations
 
@@ -43,13 +54,16 @@ class Float8BlockTensor:
         scale_inv: fp32 block scale inverses, layout per ``block`` (module docstring).
         block: ``(1, 128)`` or ``(128, 128)``.
         dtype: the high-precision dtype the data came from (default of :meth:`dequantize`).
+        rows: the real token count M (``data`` may hold zero rows padding it to a multiple of 128).
+        data_t: the ``[K, M]`` transposed operand written with the data (1 x 128: re-tiled along M), or None.
     Raises:
         TypeError / ValueError (constructor): wrong dtypes, block, or scale_inv shape for the data.
     """
 
-    __slots__ = ("data", "scale_inv", "block", "dtype")
+    __slots__ = ("data", "scale_inv", "block", "dtype", "rows", "_t")
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, block: tuple, dtype: torch.dtype):
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, block: tuple, dtype: torch.dtype,
+                 rows: Optional[int] = None, data_t: Optional["Float8BlockTensor"] = None):
         if data.dtype not in FP8_DTYPES.values() or data.dim() != 2:
             raise TypeError(f"Float8BlockTensor: data must be a 2-D FP8 tensor, got {data.dtype} {tuple(data.shape)}")
         block = tuple(block)
@@ -61,6 +75,8 @@ class Float8BlockTensor:
             raise ValueError(f"Float8BlockTensor: scale_inv must be float32 of shape {want} for data {(m, k)} with "
                              f"block {block}; got {scale_inv.dtype} {tuple(scale_inv.shape)}")
         self.data, self.scale_inv, self.block, self.dtype = data, scale_inv, block, dtype
+        self.rows = m if rows is None else rows
+        self._t = data_t
 
     @property
     def shape(self) -> torch.Size:
@@ -93,6 +109,19 @@ class Float8BlockTensor:
             raise ValueError("Float8BlockTensor.t(): 1 x 128 tiles do not transpose (they would become 128 x 1); "
                              "re-tile from the high-precision tensor with quantize_block(x, (1, 128), transpose=True)")
         return Float8BlockTensor(self.data.t().contiguous(), self.scale_inv.t().contiguous(), self.block, self.dtype)
+
+    def t_operand(self) -> Optional["Float8BlockTensor"]:
+        """The ``[K, M]`` operand the GEMMs take for this tensor's transpose (dgrad: the weight's, wgrad: the
+        input's): the copy written with the data (1 x 128: re-tiled along M), or the exact block transpose of a
+        128 x 128-blocked tensor (made once, then kept); None for a 1 x 128 tensor cast without it."""
+        if self._t is None and self.block == BLOCK_128x128:
+            self._t = self.t()
+        return self._t
+
+    @property
+    def lacks_transpose(self) -> bool:
+        """True for a 1 x 128 tensor cast without its re-tiled transpose (a wgrad cannot use it)."""
+        return self._t is None and self.block == TILE_1x128
 
     def __repr__(self) -> str:
         return (f"Float8BlockTensor(shape={tuple(self.data.shape)}, fp8_dtype={self.data.dtype}, block={self.block}, "

@@ -6,6 +6,11 @@ own, so later changes to a recipe's ``scale`` buffer (even in place) never chang
 
 ``Float8Tensor`` is a plain container (not a ``torch.Tensor`` subclass): nothing dispatches through it, so it
 costs no Python ``__torch_dispatch__`` overhead in eager mode and is a simple object for ``torch.compile``.
+
+Its GEMMs (``fprop``, ``dgrad``, ``wgrad``, ``wgrad_into``: ``torch._scaled_mm`` / cuBLASLt) are attached by the op
+layer (:mod:`fp8engine.ops.linear`), which owns the GEMM code; the block-scaled
+:class:`~fp8engine.fp8.block_tensor.Float8BlockTensor` has the same methods (:mod:`fp8engine.ops.block_gemm`), so
+an op runs whichever FP8 tensor its quantizer returned.
 """
 from __future__ import annotations
 
@@ -70,6 +75,13 @@ class Float8Tensor:
             else:
                 self._data_t = self.data.reshape(-1, self.data.shape[-1]).t().contiguous()
         return self._data_t
+
+    def t_operand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the dgrad / wgrad GEMMs take for this tensor's transpose: ``(transpose_2d(), scale_inv)``."""
+        return (self.transpose_2d() if self._data_t is None else self._data_t), self.scale_inv
+
+    #: (a per-tensor FP8 tensor can always make its transpose; a 1 x 128 block-scaled one cannot)
+    lacks_transpose = False
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """High-precision copy ``data * scale_inv`` in ``dtype`` (default: the logical dtype)."""

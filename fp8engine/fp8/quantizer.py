@@ -202,8 +202,11 @@ class Quantizer:
         dy_fp8 = self.quantize(dy, transpose=transpose)
         return dy_fp8, (dy.sum(0, dtype=torch.float32).to(dy.dtype) if dbias else None)
 
-    #: per-tensor scaling (the block-scaled counterpart, ``BlockQuantizer``, has True; modules branch on it)
+    #: per-tensor scaling (the block-scaled counterpart, ``BlockQuantizer``, has True)
     is_block = False
+    #: the fused casts a quantizer may bring (``BlockQuantizer``'s block kernels); None: the ops' own fused kernels
+    #: cast with this quantizer's scale
+    cast_norm = cast_act = cast_act_grad = cast_qkv_grad = None
 
     def __repr__(self) -> str:
         return (f"Quantizer(role={self.role!r}, kind={self.kind!r}, fp8_dtype={self.fp8_dtype}, "
@@ -259,7 +262,8 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
     Built once per (recipe, ``ctx.record_amax``) and cached on ``state``; rebuilt when the state's buffers were
     replaced (``.to()``, a history resize), so the views always point at the live buffers. While the state
     records FP8 stats (:func:`~fp8engine.fp8.stats.fp8_stats_recording`, which swaps in a second cache) the
-    quantizers count their casts; traced (``torch.compile``) ones never do. Raises TypeError for a recipe without quantizers (:func:`recipe_kind`)."""
+    quantizers count their casts; traced (``torch.compile``) ones never do. Raises TypeError for a recipe without
+    quantizers (:func:`recipe_kind`)."""
     recipe = ctx.recipe
     delayed = isinstance(recipe, DelayedScaling)
     if torch.compiler.is_compiling():

@@ -22,14 +22,15 @@ backward transposes its register tile), only FP8 is written. Unfused, the activa
 ``[M, F]`` (backward ``[M, D]``) intermediate.
 
 Row padding (``pad_rows``): the FP8 outputs get ``M_out = ceil(M / 128) * 128`` rows, rows ``M..`` zero (data 0,
-scale_inv 1), the layout :mod:`fp8engine.ops.block_linear` builds by zero-padding the token rows, so the wgrad GEMM's
-contraction dim is a multiple of 128.
+scale_inv 1), the layout of a :class:`~fp8engine.fp8.block_tensor.Float8BlockTensor` (token rows zero-padded), so
+the wgrad GEMM's contraction dim is a multiple of 128.
 
 Shapes: forward ``x [..., D]`` -> ``[M, F]`` (``F = D``, SwiGLU ``F = D / 2``); backward ``dy [..., F]``, ``x [..., D]``
 -> ``[M, D]`` (SwiGLU ``[dgate | dup]``); contiguous, one dtype (bf16 / fp16 / fp32); F a multiple of 128
 (ValueError otherwise).
-Layers: kernels -> launchers :func:`act_fwd_1x128`, :func:`act_bwd_1x128` -> ``fp8engine/ops/block_mlp.py``;
-plain-PyTorch references beside them (bits equal the kernels' up to the transcendental functions' last ulp).
+Layers: kernels -> launchers :func:`act_fwd_1x128`, :func:`act_bwd_1x128` -> ``BlockQuantizer.cast_act`` /
+``cast_act_grad`` (``fp8engine/fp8/block_quantizer.py``), used by ``fp8engine/ops/mlp.py``; plain-PyTorch
+references beside them (bits equal the kernels' up to the transcendental functions' last ulp).
 """
 
 from __future__ import annotations

@@ -28,13 +28,14 @@ against ~8 unfused (x read, y written, y read, 2 FP8 bytes). Fusing the transpos
 rows per program (128 x N fp32 in registers) or a second pass over the row anyway.
 
 Row padding: with ``pad_rows`` the FP8 outputs have ``M_out = ceil(M / 128) * 128`` rows, rows ``M..M_out-1`` zero
-(data 0, scale_inv 1; no contribution to the transposed tiles' amaxes): the layout :mod:`fp8engine.ops.block_linear`
-builds by zero-padding its input's token rows, so the wgrad GEMM's contraction dim is a multiple of 128. (A zero
-input row would not do: LayerNorm maps it to beta.)
+(data 0, scale_inv 1; no contribution to the transposed tiles' amaxes): the layout of a
+:class:`~fp8engine.fp8.block_tensor.Float8BlockTensor` (its input's token rows zero-padded), so the wgrad GEMM's
+contraction dim is a multiple of 128. (A zero input row would not do: LayerNorm maps it to beta.)
 
 Shapes: x ``[..., N]`` contiguous bf16 / fp16 / fp32 viewed as ``[M, N]``; N a multiple of 128 (the block GEMMs'
 granularity; ValueError otherwise) and at most ``norm.MAX_N``; weight / bias ``[N]``.
-Layers: kernels -> launcher :func:`norm_fwd_1x128` -> ops (``fp8engine/ops/block_norm.py``); plain-PyTorch
+Layers: kernels -> launcher :func:`norm_fwd_1x128` -> ``BlockQuantizer.cast_norm``
+(``fp8engine/fp8/block_quantizer.py``), used by ``fp8engine/ops/norm_linear.py``; plain-PyTorch
 :func:`norm_fwd_1x128_reference` beside it (same outputs; bits equal up to the fp32 reductions' order).
 """
 

@@ -353,7 +353,8 @@ def qkv_grad_1x128(
 ) -> tuple:
     """The fused grouped-QKV gradient cast block-scaled (the ``Float8BlockScaling`` recipe), reading dq/dk/dv in place:
     what ``block_cast.cast_1x128_dbias`` returns on the assembled ``[T, C]`` buffer with its token rows zero-padded to
-    a multiple of 128 (``ops.block_linear``'s padding), in one pass without that buffer.
+    a multiple of 128 (a :class:`~fp8engine.fp8.block_tensor.Float8BlockTensor`'s padding), in one pass without
+    that buffer.
 
     Args:
         dq, dk, dv, cos, sin: as :func:`qkv_grad_cast_transpose_dbias` (any strides; the rotation's gradient applied

@@ -10,13 +10,14 @@ from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer, get_quantizers
 from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.block_linear import check_block_dims
+from fp8engine.ops.block_gemm import check_block_dims
 from fp8engine.ops.gemm import check_gemm_dims
 
 __all__ = ["FP8Module", "FP8WeightCache", "FP8_INPUT_DTYPES", "check_fp8_input"]
 
 
-#: Input dtypes of the FP8 GEMMs (any floating dtype when ``torch.autocast`` casts it first: :func:`fp8engine.modules.linear.autocast_input`).
+#: Input dtypes of the FP8 GEMMs (any floating dtype when ``torch.autocast`` casts it first:
+#: :func:`fp8engine.modules.linear.autocast_input`).
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -69,8 +70,8 @@ class FP8Module(nn.Module):
     Subclasses call :meth:`fp8_begin` at the top of ``forward``; it returns None outside FP8 regions, else one
     :class:`LinearQuantizers` per GEMM (``roles`` holds ``input, weight, grad_output`` per GEMM, in the order of
     ``gemm_dims``). Under :class:`~fp8engine.recipe.Float8BlockScaling` its entries are
-    :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer` objects (``quantizers[g].input.is_block``) and the
-    subclass routes the GEMMs through :func:`fp8engine.ops.block_linear.block_fp8_linear`.
+    :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer` objects, which the same ops run (their FP8 tensors carry
+    the block-scaled GEMMs): the subclasses do not ask which recipe is active.
     """
 
     def __init__(self, roles: Sequence[str], gemm_dims: Sequence[tuple[int, int]], device=None):
@@ -114,8 +115,8 @@ class FP8Module(nn.Module):
 
     def fp8_weight(self, name: str, weight: torch.Tensor, quantizer: Quantizer,
                    is_first_microbatch: Optional[bool]) -> Float8Tensor:
-        """``weight`` cast by ``quantizer`` (a GEMM's weight role), through the weight cache (``name`` its key).
-        A ``BlockQuantizer`` returns (and the cache keeps) its ``(qw, qw_t)`` pair instead of a Float8Tensor."""
+        """``weight`` cast by ``quantizer`` (a GEMM's weight role), through the weight cache (``name`` its key): a
+        :class:`Float8Tensor`, or under block scaling a ``Float8BlockTensor``."""
         # dgrad needs W^T whenever a backward may run (the input may require grad even if W does not).
         return self._weight_cache.get(name, weight, quantizer, is_first_microbatch,
                                       transpose=torch.is_grad_enabled())

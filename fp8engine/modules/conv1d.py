@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.modules.linear import Linear, autocast_input
-from fp8engine.ops.block_linear import block_fp8_linear
 from fp8engine.ops.linear import fp8_linear
 
 __all__ = ["Conv1DLinear"]
@@ -44,6 +43,4 @@ class Conv1DLinear(Linear):
         w = w.contiguous()
         q = quantizers[0]
         w_fp8 = self.fp8_weight("weight", w, q.weight, is_first_microbatch)
-        if q.input.is_block:  # Float8BlockScaling
-            return block_fp8_linear(x, w, bias, q, w_q=w_fp8)
         return fp8_linear(x, w, bias, q, w_fp8=w_fp8, fuse_wgrad=False, comm=comm)

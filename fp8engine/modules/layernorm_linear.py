@@ -6,12 +6,12 @@ column-parallel GEMM splits its output features over the ``tp_group`` ranks, a r
 features (its bias is added after the reduction). ``fp8engine.parallel`` is imported only when a ``tp_group`` is
 given, so the single-process path never touches ``torch.distributed``.
 
-Under FP8 (per-tensor scaling) the communication runs inside the GEMM's op (:func:`fp8engine.ops.linear.linear`,
-the fused MLP and QKV ops) through a :class:`~fp8engine.parallel.linear_ops.TPLinearComm` built once per layer
-(:func:`tp_comm`): the sequence-parallel all-gather moves FP8 bytes, and the dgrad all-reduce / reduce-scatter
-overlaps the wgrad GEMM. In high precision and under ``Float8BlockScaling`` the gathers and reductions are the
-region mappings of :mod:`fp8engine.parallel.mappings` around the GEMMs (:func:`enter_column_parallel`,
-:func:`exit_row_parallel`).
+Under FP8 (every recipe, block scaling included) the communication runs inside the GEMM's op
+(:func:`fp8engine.ops.linear.linear`, the fused MLP and QKV ops) through a
+:class:`~fp8engine.parallel.linear_ops.TPLinearComm` built once per layer (:func:`tp_comm`): the sequence-parallel
+all-gather moves FP8 bytes, and the dgrad all-reduce / reduce-scatter overlaps the wgrad GEMM. In high precision the
+gathers and reductions are the region mappings of :mod:`fp8engine.parallel.mappings` around the GEMMs
+(:func:`enter_column_parallel`, :func:`exit_row_parallel`).
 """
 from __future__ import annotations
 
@@ -21,10 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
-from fp8engine.ops.block_linear import block_fp8_linear, block_fp8_linear_qkv
-from fp8engine.ops.block_norm import block_norm_cast
 from fp8engine.ops.init import init_linear_params
 from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
@@ -125,21 +122,15 @@ def no_init(_weight: torch.Tensor) -> None:
 def input_norm(module, x: torch.Tensor, quantizer, residual: Optional[torch.Tensor]):
     """The input norm of a LayerNorm + GEMM module (``LayerNormLinear``, ``LayerNormMLP``): ``(ln, ln_fp8, s)``.
 
-    Under FP8 (``quantizer``: the first GEMM's input role) and without sequence parallelism the norm kernel also
-    writes the FP8 copy (``ln`` is then only a gradient carrier unless ``return_layernorm_output``);
-    otherwise ``ln_fp8`` is None (sequence parallel: the cast comes after the all-gather). Under
-    ``Float8BlockScaling`` on the kernel path (:func:`~fp8engine.fp8.float8_tensor.use_kernels`) the block norm
-    kernel writes the 1 x 128-tiled copy and its re-tiled transpose: ``ln_fp8`` is then the ``x_q`` pair of
-    :func:`fp8engine.ops.block_norm.block_norm_cast` (rows padded to 128); elsewhere (the CPU reference path) the
-    norm writes ``ln`` in high precision and the block GEMM op casts it. ``s`` is the normalised tensor, ``x`` or
-    ``x + residual`` (see :func:`fp8engine.ops.norm_linear.norm`)."""
+    Under FP8 (``quantizer``: the first GEMM's input role) and without sequence parallelism the norm op also
+    writes the FP8 copy (on the kernel path in the norm kernel, ``ln`` then only a gradient carrier unless
+    ``return_layernorm_output``; under ``Float8BlockScaling`` the block norm kernel writes the 1 x 128-tiled copy,
+    rows padded to 128, and its re-tiled transpose: :func:`fp8engine.ops.norm_linear.norm_cast`); otherwise
+    ``ln_fp8`` is None (sequence parallel: the cast comes after the all-gather). ``s`` is the normalised tensor,
+    ``x`` or ``x + residual`` (see :func:`fp8engine.ops.norm_linear.norm`)."""
     common = dict(rms=module._rms, zero_centered_gamma=module.zero_centered_gamma, residual=residual)
-    if quantizer is not None and quantizer.is_block and not module.sequence_parallel and use_kernels(x):
-        return block_norm_cast(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, quantizer=quantizer,
-                               transpose=torch.is_grad_enabled(), return_hp=module.return_layernorm_output,
-                               **common)
     common["return_input"] = True
-    if quantizer is None or module.sequence_parallel or quantizer.is_block:
+    if quantizer is None or module.sequence_parallel:
         ln, s = norm(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, **common)
         return ln, None, s
     return norm_cast(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, quantizer=quantizer,
@@ -160,13 +151,10 @@ class LayerNormLinear(FP8Module):
     """``y = norm(x) @ weight.T + bias``; inside :func:`fp8engine.autocast` the norm op writes its output in FP8
     directly for the GEMM (state rows ``("input", "weight", "grad_output")``, input = the norm output).
 
-    Under ``Float8BlockScaling``: on the kernel path the norm kernel writes the 1 x 128-tiled FP8 input (and its
-    re-tiled transpose) for :func:`fp8engine.ops.block_linear.block_fp8_linear`, which runs the three GEMMs
-    block-scaled (on the CPU reference path the norm runs in high precision and the op casts its output); with
-    ``qkv_split`` the op returns q, k, v itself (:func:`fp8engine.ops.block_linear.block_fp8_linear_qkv`: its
-    backward casts the QKV gradient block-scaled straight from dq, dk, dv, the rotation's gradient and the bias
-    gradient in the same pass).
-    In and out features must then be multiples of 128 (``ValueError`` at the first FP8 forward).
+    Under ``Float8BlockScaling`` the same ops run block-scaled: on the kernel path the norm kernel writes the
+    1 x 128-tiled FP8 input (and its re-tiled transpose), and with ``qkv_split`` the QKV op's backward casts the
+    gradient block-scaled straight from dq, dk, dv (the rotation's gradient and the bias gradient in the same
+    pass). In and out features must then be multiples of 128 (``ValueError`` at the first FP8 forward).
 
     Outside autocast it equals ``F.linear(F.layer_norm(x, ...), weight, bias)`` (or ``F.rms_norm``) bit for bit.
 
@@ -193,7 +181,8 @@ class LayerNormLinear(FP8Module):
             weight.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: Optional[str] = "LayerNorm",
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 normalization: Optional[str] = "LayerNorm",
                  eps: float = 1e-5, return_layernorm_output: bool = False, zero_centered_gamma: bool = False,
                  params_dtype=None, device=None, init_method: Optional[Callable] = None,
                  fuse_wgrad_accumulation: bool = False, tp_group=None, parallel_mode: Optional[str] = None,
@@ -284,7 +273,7 @@ class LayerNormLinear(FP8Module):
         else:
             ln, ln_fp8, s = input_norm(self, x, None if q is None else q.input, residual)
         fuse = self.fuse_wgrad_accumulation
-        if q is not None and not q.input.is_block:  # the op communicates (module docstring)
+        if q is not None:  # the op communicates (module docstring)
             w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
             if qkv_split is not None:
                 out = fp8_linear_qkv(ln, weight, bias, q, qkv_split, w_fp8=w_fp8, x_fp8=ln_fp8, fuse_wgrad=fuse,
@@ -293,18 +282,10 @@ class LayerNormLinear(FP8Module):
                 out = fp8_linear(ln, weight, bias, q, w_fp8=w_fp8, x_fp8=ln_fp8, fuse_wgrad=fuse, comm=self._comm)
             return norm_module_outputs(self, out, ln, s, return_norm_input)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
-        if q is None:
-            if fuse and torch.is_grad_enabled():
-                out = linear_main_grad(total, weight, bias)
-            else:
-                out = F.linear(total, weight, bias)
-        else:  # Float8BlockScaling (class docstring); ln_fp8: the fused norm's (q, q_t), or None
-            w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
-            if qkv_split is not None:  # the QKV gradient cast block-scaled straight from dq, dk, dv
-                out = block_fp8_linear_qkv(total, weight, bias, q, qkv_split, w_q=w_fp8, fuse_wgrad=fuse, x_q=ln_fp8,
-                                           freqs=qkv_rope)
-                return norm_module_outputs(self, out, ln, s, return_norm_input)
-            out = block_fp8_linear(total, weight, bias, q, w_q=w_fp8, fuse_wgrad=fuse, x_q=ln_fp8)
+        if fuse and torch.is_grad_enabled():
+            out = linear_main_grad(total, weight, bias)
+        else:
+            out = F.linear(total, weight, bias)
         if qkv_split is not None:
             out = split_grouped_qkv(out, *qkv_split, freqs=qkv_rope)
         return norm_module_outputs(self, out, ln, s, return_norm_input)

@@ -1,7 +1,7 @@
 """``LayerNormMLP``: norm -> fc1 -> activation -> fc2, both GEMMs in FP8 inside autocast, optionally tensor
-parallel (fc1 column-parallel, fc2 row-parallel; Megatron-LM's MLP). Under per-tensor FP8 the tensor-parallel
+parallel (fc1 column-parallel, fc2 row-parallel; Megatron-LM's MLP). Under FP8 (any recipe) the tensor-parallel
 communication runs inside the MLP op (:func:`fp8engine.ops.mlp.fp8_mlp`, one
-:class:`~fp8engine.parallel.linear_ops.TPLinearComm` per GEMM); otherwise through the region mappings."""
+:class:`~fp8engine.parallel.linear_ops.TPLinearComm` per GEMM); in high precision through the region mappings."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -13,7 +13,6 @@ from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
                                                 exit_row_parallel, input_norm, master_weight, new_param,
                                                 norm_module_outputs, shard, tp_comm, tp_size_rank)
-from fp8engine.ops.block_mlp import block_fp8_mlp
 from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, _unfused_fp8_mlp, activation, fp8_mlp
 from fp8engine.ops.norm_linear import NORMALIZATIONS
@@ -30,12 +29,11 @@ class LayerNormMLP(FP8Module):
     one :class:`ScalingState` holds rows ``MLP_ROLES`` (fc1 input/weight/grad_output, then fc2's). Outside autocast
     it is plain PyTorch (``F.layer_norm``/``F.rms_norm``, ``F.linear``, the activation), bit for bit.
 
-    Under ``Float8BlockScaling`` both GEMMs are block-scaled (:func:`fp8engine.ops.block_mlp.block_fp8_mlp`). On
-    the kernel path the norm kernel writes fc1's 1 x 128-tiled FP8 input, the activation kernel fc2's and the
-    activation-backward kernel fc1's FP8 gradient (with dbias), each with its re-tiled transpose; on the CPU
-    reference path: norm (high precision) -> fc1 -> activation (high precision) -> fc2, each GEMM op casting its
-    inputs. ``fused`` and ``gelu_epilogue`` do not apply. ``hidden_size`` and ``F/tp`` (``2F/tp`` for swiglu) must
-    be multiples of 128.
+    Under ``Float8BlockScaling`` the same op runs both GEMMs block-scaled. On the kernel path the norm kernel
+    writes fc1's 1 x 128-tiled FP8 input, the activation kernel fc2's and the activation-backward kernel fc1's FP8
+    gradient (with dbias), each with its re-tiled transpose; on the CPU reference path the torch norm and
+    activation, each output cast by the quantizer. ``gelu_epilogue`` does not apply. ``hidden_size`` and ``F/tp``
+    (``2F/tp`` for swiglu) must be multiples of 128.
 
     Args:
         hidden_size: ``h``; ffn_hidden_size: ``F`` (both multiples of 16 for FP8, ``F/tp`` too).
@@ -113,18 +111,15 @@ class LayerNormMLP(FP8Module):
         quantizers = self.fp8_begin()
         if quantizers is not None and x.dtype not in FP8_INPUT_DTYPES:
             check_fp8_input(x, type(self).__name__)
-        if quantizers is not None and not quantizers[0].input.is_block:  # the op communicates
+        if quantizers is not None:  # the op communicates
             y, ln, s = self._fp8_forward(x, quantizers, is_first_microbatch, residual)
             return norm_module_outputs(self, y, ln, s, return_norm_input)
         # Row-parallel fc2 adds its bias after the reduction; unsharded, the GEMM adds it.
         fc2_bias = self.fc2_bias if self.tp_group is None else None
-        if quantizers is None:
-            ln, _, s = input_norm(self, x, None, residual)
-            h = self._hp_linear(enter_column_parallel(ln, self.tp_group, self.sequence_parallel), self.fc1_weight,
-                                self.fc1_bias)
-            y = self._hp_linear(activation(h, self.activation), self.fc2_weight, fc2_bias)
-        else:
-            y, ln, s = self._block_forward(x, quantizers, fc2_bias, is_first_microbatch, residual)
+        ln, _, s = input_norm(self, x, None, residual)
+        h = self._hp_linear(enter_column_parallel(ln, self.tp_group, self.sequence_parallel), self.fc1_weight,
+                            self.fc1_bias)
+        y = self._hp_linear(activation(h, self.activation), self.fc2_weight, fc2_bias)
         if self.tp_group is not None:
             y = exit_row_parallel(y, self.fc2_bias, self.tp_group, self.sequence_parallel)
         return norm_module_outputs(self, y, ln, s, return_norm_input)
@@ -135,7 +130,7 @@ class LayerNormMLP(FP8Module):
         return F.linear(x, weight, bias)
 
     def _fp8_forward(self, x, quantizers, is_first_microbatch, residual):
-        """Per-tensor FP8: the MLP op with fc1's and fc2's communication (fc2's bias added after its reduction)."""
+        """FP8: the MLP op with fc1's and fc2's communication (fc2's bias added after its reduction)."""
         fc1, fc2 = quantizers
         ln, ln_fp8, s = input_norm(self, x, fc1.input, residual)
         w1 = self.fp8_weight("fc1_weight", self.fc1_weight, fc1.weight, is_first_microbatch)
@@ -144,17 +139,6 @@ class LayerNormMLP(FP8Module):
         y = mlp(ln, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, self.activation, fc1, fc2,
                 w1_fp8=w1, w2_fp8=w2, x_fp8=ln_fp8, fuse_wgrad=self.fuse_wgrad_accumulation,
                 gelu_epilogue=self.gelu_epilogue, fc1_comm=self._comms[0], fc2_comm=self._comms[1])
-        return y, ln, s
-
-    def _block_forward(self, x, quantizers, fc2_bias, is_first_microbatch, residual):
-        """Float8BlockScaling (class docstring); the caller reduces fc2's output over the ranks."""
-        fc1, fc2 = quantizers
-        ln, ln_fp8, s = input_norm(self, x, fc1.input, residual)  # ln_fp8: the fused norm's (q, q_t), or None
-        total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
-        w1 = self.fp8_weight("fc1_weight", self.fc1_weight, fc1.weight, is_first_microbatch)
-        w2 = self.fp8_weight("fc2_weight", self.fc2_weight, fc2.weight, is_first_microbatch)
-        y = block_fp8_mlp(total, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self.activation,
-                          fc1, fc2, w1_q=w1, w2_q=w2, x_q=ln_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
         return y, ln, s
 
     def extra_repr(self) -> str:

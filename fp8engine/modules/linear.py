@@ -11,7 +11,6 @@ from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
                                                 exit_row_parallel, master_weight, new_param, shard, tp_comm,
                                                 tp_size_rank)
-from fp8engine.ops.block_linear import block_fp8_linear
 from fp8engine.ops.init import default_init
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear, linear_main_grad
 
@@ -34,9 +33,9 @@ class Linear(FP8Module):
 
     Outside autocast it is ``torch.nn.functional.linear``, bit for bit. Inside, fprop/dgrad/wgrad run as FP8
     GEMMs, the scaling state (``fp8_state``: amax history and scale of input, weight, grad_output) lives in
-    buffers, so ``state_dict`` round-trips it. Under ``Float8BlockScaling`` the three GEMMs are block-scaled
-    (:func:`fp8engine.ops.block_linear.block_fp8_linear`: input and gradient 1 x 128 tiles, weight 128 x 128
-    blocks, scales just in time; the ``fp8_state`` buffers are not used).
+    buffers, so ``state_dict`` round-trips it. Under ``Float8BlockScaling`` the same op runs the three GEMMs
+    block-scaled (:func:`fp8engine.ops.linear.linear`: input and gradient 1 x 128 tiles, weight 128 x 128 blocks,
+    scales just in time; the ``fp8_state`` buffers are not used).
 
     Args:
         in_features, out_features: ``K`` and ``N`` (of the whole layer; per rank they are divided as below); FP8
@@ -60,9 +59,9 @@ class Linear(FP8Module):
             ``"row"``: ``weight [N, K/tp]`` and the full ``bias [N]``; input ``[s, b, K/tp]`` (already split), the
             partial outputs summed over the ranks (all-reduce, or reduce-scatter to ``[s/tp, b, N]`` when
             ``sequence_parallel``: the bias then has ``sequence_parallel = True``), then the bias added. The
-            weights are the slices of the layer built unsharded from the same seed. Under per-tensor FP8 the
+            weights are the slices of the layer built unsharded from the same seed. Under FP8 (any recipe) the
             communication runs inside the linear op (:class:`~fp8engine.ops.comm.LinearComm`; FP8 all-gather);
-            otherwise through :mod:`fp8engine.parallel.mappings`.
+            in high precision through :mod:`fp8engine.parallel.mappings`.
     Shapes: input ``[*, K]`` -> output ``[*, N]`` in the input's dtype (per rank as above).
     Raises:
         ValueError: unknown ``parallel_mode``, a tp size not dividing the split dim. TypeError (forward, FP8): an
@@ -117,7 +116,7 @@ class Linear(FP8Module):
         if quantizers is not None and x.dtype not in FP8_INPUT_DTYPES:
             check_fp8_input(x, type(self).__name__)
         bias = None if self.return_bias else self.bias
-        if self.tp_group is None or (quantizers is not None and not quantizers[0].input.is_block):
+        if self.tp_group is None or quantizers is not None:
             y = self._linear(x, bias, quantizers, is_first_microbatch, comm=self._comm)  # the op communicates
         elif self.parallel_mode == "column":
             y = self._linear(enter_column_parallel(x, self.tp_group, self.sequence_parallel), bias, quantizers,
@@ -129,9 +128,9 @@ class Linear(FP8Module):
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], quantizers, is_first_microbatch: Optional[bool],
                 comm=None):
-        """The GEMM with a given bias under ``quantizers`` (:meth:`fp8_begin`'s result). ``comm``: the per-tensor
-        FP8 op's tensor-parallel communication (a :class:`~fp8engine.ops.comm.LinearComm`; ignored by the
-        high-precision and block-scaled paths, whose callers communicate around them)."""
+        """The GEMM with a given bias under ``quantizers`` (:meth:`fp8_begin`'s result). ``comm``: the FP8 op's
+        tensor-parallel communication (a :class:`~fp8engine.ops.comm.LinearComm`; ignored by the high-precision
+        path, whose caller communicates around it)."""
         if quantizers is None:
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
                 return linear_main_grad(x, self.weight, bias)
@@ -139,8 +138,6 @@ class Linear(FP8Module):
         x = autocast_input(x)
         q = quantizers[0]
         w_fp8 = self.fp8_weight("weight", self.weight, q.weight, is_first_microbatch)
-        if q.input.is_block:
-            return block_fp8_linear(x, self.weight, bias, q, w_q=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation)
         return fp8_linear(x, self.weight, bias, q, w_fp8=w_fp8, fuse_wgrad=self.fuse_wgrad_accumulation, comm=comm)
 
     def extra_repr(self) -> str:

@@ -28,7 +28,16 @@ An fp32 output gets the bias added after the GEMM (``out + bias`` in fp32), on b
 
 Shapes: ``a`` ``[M, K]`` with 1 x 128 tiles; ``b`` ``[N, K]`` with 1 x 128 tiles (wgrad: ``dy^T`` x ``x^T`` re-tiled
 along the token dim) or 128 x 128 blocks (fprop / dgrad: the weight or its transpose). K and, for 128 x 128 ``b``,
-N must be multiples of 128 (the hardware's block granularity; no padding is done).
+N must be multiples of 128 (the hardware's block granularity; no padding is done: the casts pad the token rows,
+see :mod:`fp8engine.fp8.block_tensor`, and the GEMMs below drop the padded rows of their outputs).
+
+The GEMMs of a linear layer on :class:`~fp8engine.fp8.block_tensor.Float8BlockTensor` operands are attached to that
+type here (as :mod:`fp8engine.ops.linear` attaches the per-tensor ones to ``Float8Tensor``), so the ops call them on
+whichever FP8 tensor a quantizer returned:
+  * ``x.fprop(w, out_dtype, bias)``: ``y = x @ w.T + bias`` ``[x.rows, N]``;
+  * ``dy.dgrad(w_t, out_dtype)``: ``dx = dy @ w`` ``[dy.rows, K]`` (``w_t = w.t_operand()``);
+  * ``dy.wgrad(x_t, out_dtype)``: ``dw = dy.T @ x`` ``[N, K]`` (``x_t = x.t_operand()``, re-tiled along the
+    tokens, as dy's), and ``dy.wgrad_into(x_t, out)``: the same added to the fp32 ``out`` (``main_grad``).
 """
 from __future__ import annotations
 
@@ -39,7 +48,7 @@ import torch
 
 from fp8engine.fp8.block_tensor import BLOCK_128x128, TILE_1x128, Float8BlockTensor
 
-__all__ = ["block_gemm", "block_gemm_emulated", "hw_block_gemm_available"]
+__all__ = ["block_gemm", "block_gemm_emulated", "hw_block_gemm_available", "check_block_dims"]
 
 _B = TILE_1x128[1]
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -149,3 +158,41 @@ def block_gemm(a: Float8BlockTensor, b: Float8BlockTensor, out_dtype: torch.dtyp
         out = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
         out = (out + bias.double() if in_epilogue else out).to(out_dtype)
     return out + bias if bias is not None and not in_epilogue else out
+
+
+def check_block_dims(gemm_dims, what: str) -> None:
+    """Raise ``ValueError`` unless every GEMM ``(in_features K, out_features N)`` in ``gemm_dims`` has both dims a
+    multiple of 128, as the ``Float8BlockScaling`` GEMMs need (``what``: the module, for the message; a module with
+    several GEMMs, e.g. LayerNormMLP's fc1 and fc2, gets the GEMM's position named too)."""
+    for i, (k, n) in enumerate(gemm_dims):
+        gemm = f" (GEMM {i + 1} of {len(gemm_dims)})" if len(gemm_dims) > 1 else ""
+        for name, dim in (("in_features", k), ("out_features", n)):
+            if dim % _B:
+                raise ValueError(
+                    f"{what}: {name}={dim}{gemm} is not a multiple of {_B}, which the Float8BlockScaling recipe's "
+                    f"block GEMMs require (1 x {_B} and {_B} x {_B} scaling blocks); pad it to {-(-dim // _B) * _B}, "
+                    "or use DelayedScaling / CurrentScaling (multiples of 16) for this model")
+
+
+def _fprop(x: Float8BlockTensor, w: Float8BlockTensor, out_dtype: torch.dtype,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    y = block_gemm(x, w, out_dtype, bias=bias)
+    return y if y.shape[0] == x.rows else y[:x.rows]
+
+
+def _dgrad(dy: Float8BlockTensor, w_t: Float8BlockTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    dx = block_gemm(dy, w_t, out_dtype)
+    return dx if dx.shape[0] == dy.rows else dx[:dy.rows]
+
+
+def _wgrad(dy: Float8BlockTensor, x_t: Float8BlockTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return block_gemm(dy.t_operand(), x_t, out_dtype)
+
+
+def _wgrad_into(dy: Float8BlockTensor, x_t: Float8BlockTensor, out: torch.Tensor) -> None:
+    out.add_(block_gemm(dy.t_operand(), x_t, torch.float32))
+
+
+# the block-scaled GEMMs of a linear layer (module docstring)
+Float8BlockTensor.fprop, Float8BlockTensor.dgrad = _fprop, _dgrad
+Float8BlockTensor.wgrad, Float8BlockTensor.wgrad_into = _wgrad, _wgrad_into

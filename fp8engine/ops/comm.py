@@ -44,8 +44,9 @@ class LinearComm(Protocol):
         """All-gather the sequence shard ``x [m, K]`` (high precision, no autograd) along dim 0.
 
         Returns ``(total, shard)``. ``quantizer`` None: ``total [tp * m, K]`` in ``x.dtype`` and ``shard`` the
-        tensor backward re-gathers (``x``). Under FP8: ``total`` a :class:`Float8Tensor` ``[tp * m, K]`` cast by
-        ``quantizer`` (the GEMM's input role; delayed scaling records the amax of the whole tensor), and either
+        tensor backward re-gathers (``x``). Under FP8: ``total`` the FP8 tensor ``[tp * m, K]`` cast by ``quantizer``
+        (the GEMM's input role, per-tensor or block-scaled; delayed scaling records the amax of the whole tensor),
+        and either
         ``shard`` the FP8 local shard that backward re-gathers (FP8 all-gather), or ``shard`` None when ``total``
         holds its own transpose (made when ``transpose``) for wgrad."""
         ...
@@ -53,7 +54,9 @@ class LinearComm(Protocol):
     def regather_input(self, shard: Union[torch.Tensor, Float8Tensor]
                        ) -> Callable[[], Union[torch.Tensor, Float8Tensor]]:
         """Start all-gathering ``shard`` (what :meth:`gather_input` returned) again, asynchronously; the returned
-        ``finish()`` waits and gives the ``[tp * m, K]`` total (called after the dgrad GEMM was issued)."""
+        ``finish()`` waits and gives the ``[tp * m, K]`` total (called after the dgrad GEMM was issued); for an FP8
+        shard, anything whose ``t_operand()`` is the total's wgrad operand (a block-scaled shard re-gathers only its
+        re-tiled transpose)."""
         ...
 
     def start_dgrad_comm(self, dx: torch.Tensor) -> tuple[torch.Tensor, Optional[object]]:

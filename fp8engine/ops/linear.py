@@ -9,6 +9,15 @@ Operands are cast by the GEMM's :class:`~fp8engine.fp8.quantizer.LinearQuantizer
 both FP8 layouts and the bias gradient in one pass) and runs the two GEMMs in :func:`dgrad_wgrad`, which the fused
 MLP op (``fp8engine.ops.mlp``) and the QKV op (``fp8engine.ops.qkv``) share.
 
+One op for every recipe: the quantizers return FP8 tensors that carry their own GEMMs (``x.fprop(w)``,
+``dy.dgrad(w_t)``, ``dy.wgrad(x_t)``, ``dy.wgrad_into(x_t, main_grad)``, with ``t = x.t_operand()`` what backward
+keeps of an operand's transpose). Per-tensor scaling (delayed, current): :class:`Float8Tensor`, whose GEMMs are
+attached below (``torch._scaled_mm`` / cuBLASLt, :mod:`fp8engine.ops.gemm`). Block scaling (``Float8BlockScaling``:
+:class:`~fp8engine.fp8.block_quantizer.BlockQuantizer`): :class:`~fp8engine.fp8.block_tensor.Float8BlockTensor`,
+1 x 128-tiled inputs and gradients (token rows zero-padded to 128 by the cast, re-tiled transposes written with the
+bits) and 128 x 128-blocked weights, whose GEMMs are :mod:`fp8engine.ops.block_gemm`'s (K and N multiples of 128,
+bf16 / fp32 operands). :func:`block_linear` is the block-scaled linear without a module.
+
 Tensor parallelism (``comm``, a :class:`~fp8engine.ops.comm.LinearComm`; None: no communication). Per rank:
 
 - column parallel, ``weight [N/tp, K]``: input ``[s, b, K]``, or ``[s/tp, b, K]`` with sequence parallelism,
@@ -32,15 +41,19 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from fp8engine.fp8.block_quantizer import BLOCK_DTYPES, block_quantizers_for
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.backward import backward_keeps_graph
+from fp8engine.ops.block_gemm import check_block_dims
 from fp8engine.ops.comm import LinearComm
 from fp8engine.ops.gemm import fp8_fprop, fp8_mm, fp8_mm_accumulate
 from fp8engine.ops.gemm_ops import compiled_gemm_ops, mm_accumulate_fp8
+from fp8engine.recipe import Float8BlockScaling
 
-__all__ = ["linear", "fp8_linear", "linear_input", "output_leading_dims", "LINEAR_ROLES", "main_grad_of",
-           "accumulate_wgrad", "fp8_wgrad_accumulate", "linear_main_grad", "dgrad_wgrad", "linear_backward"]
+__all__ = ["linear", "fp8_linear", "block_linear", "linear_input", "output_leading_dims", "LINEAR_ROLES",
+           "main_grad_of", "accumulate_wgrad", "fp8_wgrad_accumulate", "linear_main_grad", "dgrad_wgrad",
+           "linear_backward"]
 
 #: Rows of a Linear's :class:`ScalingState`.
 LINEAR_ROLES = ("input", "weight", "grad_output")
@@ -71,6 +84,24 @@ def fp8_wgrad_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Te
         mm_accumulate_fp8(a, a_scale_inv, b, b_scale_inv, out, True)
     else:
         fp8_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner=True)
+
+
+def _dgrad(dy: Float8Tensor, w_t: tuple, out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_mm(dy.data, dy.scale_inv, w_t[0], w_t[1], out_dtype)
+
+
+def _wgrad(dy: Float8Tensor, x_t: tuple, out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_mm(dy.transpose_2d(), dy.scale_inv, x_t[0], x_t[1], out_dtype, pad_inner=True)
+
+
+def _wgrad_into(dy: Float8Tensor, x_t: tuple, out: torch.Tensor) -> None:
+    fp8_wgrad_accumulate(dy.transpose_2d(), dy.scale_inv, x_t[0], x_t[1], out)
+
+
+# The per-tensor GEMMs of a linear layer (module docstring; the block-scaled ones: fp8engine.ops.block_gemm):
+# fprop y = x @ w.T + b, dgrad dx = dy @ w (w_t = w.t_operand()), wgrad dw = dy.T @ x (x_t = x.t_operand())
+Float8Tensor.fprop, Float8Tensor.dgrad, Float8Tensor.wgrad, Float8Tensor.wgrad_into = (fp8_fprop, _dgrad, _wgrad,
+                                                                                      _wgrad_into)
 
 
 def accumulate_wgrad(weight: torch.Parameter, dw: torch.Tensor) -> None:
@@ -113,12 +144,12 @@ class _FP8Linear(torch.autograd.Function):
             ctx.save_for_backward((x_total if x_shard is None else x_shard) if needs_dw else None, weight)
         else:
             ctx.x_shard = x_shard if needs_dw else None
-            y = fp8_fprop(x_total, w_fp8, x.dtype, gemm_bias)
+            y = x_total.fprop(w_fp8, x.dtype, gemm_bias)
             ctx.save_for_backward(weight)
             # Backward needs only the transposed layouts (dgrad: W^T, wgrad: X^T); keep those, not the row-major
             # bits (or only the FP8 input shard, re-gathered in backward).
-            ctx.x_t = (x_total.transpose_2d(), x_total.scale_inv) if needs_dw and x_shard is None else None
-            ctx.w_t = (w_fp8.transpose_2d(), w_fp8.scale_inv) if ctx.needs_input_grad[0] else None
+            ctx.x_t = x_total.t_operand() if needs_dw and x_shard is None else None
+            ctx.w_t = w_fp8.t_operand() if ctx.needs_input_grad[0] else None
         if row:  # the partial sums over the ranks, then the (unsharded) bias
             y = comm.reduce_output(y)
             if bias is not None:
@@ -188,13 +219,15 @@ def linear_backward(ctx, dy_fp8: Float8Tensor, db: Optional[torch.Tensor]) -> tu
 def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple], weight: torch.Tensor,
                 fuse_wgrad: bool, *, comm: Optional[LinearComm] = None,
                 x_shard: Optional[Float8Tensor] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The two backward GEMMs of a linear layer given its FP8 output gradient ``dy_fp8 [M, N]``.
+    """The two backward GEMMs of a linear layer given its FP8 output gradient ``dy_fp8 [M, N]`` (either FP8 tensor
+    type: the GEMMs are its methods, module docstring).
 
-    - dgrad ``dx = dy @ w`` ``[M, K]`` in ``dy_fp8.dtype``, when ``w_t = (W^T data [K, N], scale_inv)`` is given;
+    - dgrad ``dx = dy @ w`` ``[M, K]`` in ``dy_fp8.dtype``, when ``w_t`` (``w_fp8.t_operand()``: per-tensor
+      ``(W^T data [K, N], scale_inv)``) is given;
       with ``comm`` its communication (:meth:`LinearComm.start_dgrad_comm`: column parallel, all-reduce or
       reduce-scatter to ``[M / tp, K]``) is started right after the GEMM and waited for after wgrad;
     - wgrad ``dw = dy.T @ x`` ``[N, K]`` (token dim zero-padded to a multiple of 16), when
-      ``x_t = (X^T data [K, M], scale_inv)`` is given, or ``x_shard`` (an FP8 sequence shard ``[M / tp, K]``
+      ``x_t`` (``x_fp8.t_operand()``) is given, or ``x_shard`` (an FP8 sequence shard ``[M / tp, K]``
       whose all-gather with ``comm`` is started before the dgrad GEMM): in ``weight.dtype``, or with
       ``fuse_wgrad`` in fp32 accumulated into ``weight.main_grad`` by the GEMM itself (:func:`fp8_mm_accumulate`:
       cuBLASLt with beta = 1 on CUDA), then returned as None.
@@ -203,17 +236,16 @@ def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple]
     finish = comm.regather_input(x_shard) if x_shard is not None else None
     dx = dw = work = None
     if w_t is not None:
-        dx = fp8_mm(dy_fp8.data, dy_fp8.scale_inv, w_t[0], w_t[1], dy_fp8.dtype)
+        dx = dy_fp8.dgrad(w_t, dy_fp8.dtype)
         if comm is not None:
             dx, work = comm.start_dgrad_comm(dx)
     if finish is not None:
-        x_total = finish()
-        x_t = (x_total.transpose_2d(), x_total.scale_inv)
+        x_t = finish().t_operand()
     if x_t is not None:
         if fuse_wgrad:
-            fp8_wgrad_accumulate(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], main_grad_of(weight))
+            dy_fp8.wgrad_into(x_t, main_grad_of(weight))
         else:
-            dw = fp8_mm(dy_fp8.transpose_2d(), dy_fp8.scale_inv, x_t[0], x_t[1], weight.dtype, pad_inner=True)
+            dw = dy_fp8.wgrad(x_t, weight.dtype)
     if work is not None:
         work.wait()
     return dx, dw
@@ -230,7 +262,8 @@ def linear_input(x: torch.Tensor, quantizer: Optional[Quantizer], x_fp8: Optiona
     returned as is.
 
     Raises:
-        ValueError: ``x_fp8`` given together with a ``comm`` that all-gathers the input (cast after the gather).
+        ValueError: ``x_fp8`` given together with a ``comm`` that all-gathers the input (cast after the gather), or
+            cast without the transposed copy a wgrad needs (``transpose``: a 1 x 128 block-scaled input).
     """
     if comm is not None and comm.gathers_input:
         if x_fp8 is not None:
@@ -238,6 +271,9 @@ def linear_input(x: torch.Tensor, quantizer: Optional[Quantizer], x_fp8: Optiona
                              "the high-precision input (the op casts the shard with the tp-shared scale)")
         return comm.gather_input(x.detach().reshape(-1, x.shape[-1]), quantizer, transpose)
     if x_fp8 is not None:
+        if transpose and x_fp8.lacks_transpose:
+            raise ValueError("x_fp8 has no transposed copy, which the weight gradient needs while gradients are "
+                             "enabled; cast it with transpose=True (norm_cast(..., transpose=True))")
         return x_fp8, None
     if quantizer is None:
         return x.detach().reshape(-1, x.shape[-1]), None
@@ -255,8 +291,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             all-gathers it (column + sequence parallel). Output in ``x.dtype``: ``[*, N]`` (``[s, b, N/tp]``
             column parallel; ``[s, b, N]``, or ``[s/tp, b, N]`` with sequence parallelism, row parallel).
         weight: ``[N, K]`` (this rank's shard). bias: ``[N]`` or None (row parallel: added after the reduction).
-            FP8: K and N multiples of 16.
-        quantizers: the GEMM's :class:`LinearQuantizers` (``FP8Module.fp8_begin()``); None: plain matmuls.
+            FP8: K and N multiples of 16 (of 128 under block scaling, whose operands are bf16 / fp32).
+        quantizers: the GEMM's :class:`LinearQuantizers` (``FP8Module.fp8_begin()``), per-tensor or block-scaled
+            (module docstring); None: plain matmuls.
         comm: a :class:`~fp8engine.ops.comm.LinearComm` (module docstring), or None.
         w_fp8: an already cast weight (FP8 weight caching across micro-batches); cast now when None.
         x_fp8: an already cast input (e.g. written by a fused norm kernel); cast now when None.
@@ -279,3 +316,36 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                x_fp8: Optional[Float8Tensor] = None, comm: Optional[LinearComm] = None) -> torch.Tensor:
     """FP8 ``x @ weight.T + bias`` with gradients: :func:`linear` with ``quantizers`` (same arguments)."""
     return linear(x, weight, bias, quantizers, comm=comm, w_fp8=w_fp8, x_fp8=x_fp8, fuse_wgrad=fuse_wgrad)
+
+
+def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 recipe: Optional[Float8BlockScaling] = None, *, use_kernel: Optional[bool] = None) -> torch.Tensor:
+    """``y = x @ weight.T + bias`` with all three GEMMs in block-scaled FP8, without a module: :func:`linear` with
+    the :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer` objects of ``recipe``.
+
+    fprop ``y = x @ w.T``: x in 1 x 128 tiles along K, w in 128 x 128 blocks; dgrad ``dx = dy @ w``: dy in 1 x 128
+    tiles along N, ``w^T`` the same blocks transposed; wgrad ``dw = dy.T @ x``: ``dy^T`` and ``x^T`` re-tiled along
+    the tokens. Every scale is computed just in time from its own tile's amax; the bias is added by the fprop GEMM.
+
+    Args:
+        x: ``[*, K]`` bf16 / fp32. weight: ``[N, K]`` bf16 / fp32. bias: ``[N]`` or None.
+        recipe: a :class:`Float8BlockScaling` (default ``Float8BlockScaling()``: E4M3, power-of-two scales).
+        use_kernel: Triton cast kernels (True), the plain-PyTorch references (False), or
+            :func:`~fp8engine.fp8.float8_tensor.use_kernels`'s choice (None: the kernels on CUDA).
+    Returns:
+        ``[*, N]`` in x's dtype.
+    Raises:
+        TypeError: ``recipe`` not a Float8BlockScaling; x / weight dtypes other than bf16 / fp32.
+        ValueError: weight not 2-D, feature dims mismatch, or K, N not multiples of 128 (M is padded).
+    """
+    recipe = Float8BlockScaling() if recipe is None else recipe
+    if not isinstance(recipe, Float8BlockScaling):
+        raise TypeError(f"block_linear: recipe must be a Float8BlockScaling, got {type(recipe).__name__}")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"block_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
+                         "(want x [*, K], weight [N, K])")
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in BLOCK_DTYPES:
+            raise TypeError(f"block_linear: {name} has dtype {t.dtype}; supported: bfloat16, float32")
+    check_block_dims([(weight.shape[1], weight.shape[0])], "block_linear")
+    return linear(x, weight, bias, LinearQuantizers(*block_quantizers_for(recipe, 3, use_kernel)))

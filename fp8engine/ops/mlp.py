@@ -15,12 +15,20 @@ bytes), fc2's output reduction after fc2 fprop (then b2 is added), the all-gathe
 (sequence parallel), fc1's dgrad communication started after the fc1 dgrad GEMM and waited for after fc1 wgrad,
 and the re-gather of fc1's FP8 input shard started before that dgrad GEMM.
 
-It keeps for backward only x^T (or, sequence parallel, this rank's FP8 shard of x) and W1^T (FP8), the pre-activation ``h`` (high precision, for the activation
-backward), a^T and W2^T (FP8). The elementwise passes dispatch on :func:`fp8engine.fp8.float8_tensor.use_kernels`: on CUDA
-the Triton kernels of ``fp8engine.kernels.activation`` / ``.cast`` (activation forward writing FP8 directly,
-activation backward + cast-transpose + dbias in one pass, ``cast_transpose_dbias`` for ``dy``), elsewhere
+It keeps for backward only x^T (or, sequence parallel, this rank's FP8 shard of x) and W1^T (FP8), the
+pre-activation ``h`` (high precision, for the activation backward), a^T and W2^T (FP8). The elementwise passes
+dispatch on :func:`fp8engine.fp8.float8_tensor.use_kernels`: on CUDA the Triton kernels of
+``fp8engine.kernels.activation`` / ``.cast`` (activation forward writing FP8 directly, activation backward +
+cast-transpose + dbias in one pass, ``cast_transpose_dbias`` for ``dy``), elsewhere
 :func:`act_fwd` / :func:`act_bwd` and the torch casts -- on CPU exactly the ops of the unfused composition
 ``fp8_linear -> activation_cast -> fp8_linear`` (kept as :func:`_unfused_fp8_mlp`), so both give the same bits.
+
+Block scaling (``Float8BlockScaling``): the same op with :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer`
+objects, whose FP8 tensors carry the block-scaled GEMMs (:mod:`fp8engine.ops.linear`) and whose fused casts replace
+the activation kernels on the kernel path: the activation writes fc2's 1 x 128-tiled input and its re-tiled
+transpose, the activation backward fc1's gradient with its transpose and dbias
+(:mod:`fp8engine.kernels.block_activation`); the token rows are zero-padded to 128 by the casts. Elsewhere the
+torch activation and the quantizer's cast, as above.
 
 ``_ActCast`` (the activation alone) saves only its *input*; its FP8 output goes to the next GEMM as ``x_fp8``.
 
@@ -40,7 +48,7 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.backward import backward_keeps_graph
-from fp8engine.ops.gemm import fp8_fprop, fp8_gemm_bias_gelu
+from fp8engine.ops.gemm import fp8_gemm_bias_gelu
 from fp8engine.ops.gemm_ops import gemm_bias_gelu_fp8
 from fp8engine.ops.kernel_ops import (ACT_KINDS, act_bwd_dbias_amax, act_bwd_fp8, act_fwd_amax, act_fwd_fp8,
                                       compiled_kernel_ops)
@@ -150,6 +158,10 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
     if quantizer.stats is not None:  # stats recording counts the written act(h)
         return quantizer.quantize(fwd(h, return_hp=True)[0], transpose=transpose)
     if not quantizer.delayed:  # the activation kernel takes the amax of what it writes: no separate read
+        if quantizer.cast_act is not None:  # or the quantizer's own fused activation cast (block scaling)
+            a_fp8 = quantizer.cast_act(h, kind, transpose)
+            if a_fp8 is not None:
+                return a_fp8
         amax = torch.zeros(1, dtype=torch.float32, device=h.device)
         return quantizer.quantize(fwd(h, return_hp=True, amax_out=amax)[0], transpose=transpose, amax=amax)
     _, y8, scale_inv = fwd(h, scale=quantizer.scale, fp8_dtype=quantizer.fp8_dtype, amax_out=quantizer.amax)
@@ -161,8 +173,8 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
 def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quantizer, *,
                  transpose: bool, dbias: bool) -> tuple[Float8Tensor, Optional[torch.Tensor]]:
     """Gradient ``dh = da * act'(h)`` (``da [M, D']``, ``h [M, D]``, same dtype) cast to FP8 by ``quantizer``
-    (fc1's grad_output role: backward format, amax recorded under delayed scaling), with its transpose when ``transpose`` and its
-    column sums when ``dbias``: ``(dh_fp8, dbias [D] in da.dtype or None)``.
+    (fc1's grad_output role: backward format, amax recorded under delayed scaling), with its transpose when
+    ``transpose`` and its column sums when ``dbias``: ``(dh_fp8, dbias [D] in da.dtype or None)``.
 
     Kernels, delayed scaling: one ``*_bwd_cast_transpose`` pass (both FP8 layouts, fp32-accumulated dbias).
     Current scaling: its high-precision variant (dh, dbias and the amax of the dh written), then the cast-transpose
@@ -187,6 +199,10 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
     bwd = getattr(ka, ACT_KINDS[kind][1])
     da, h = da.contiguous(), h.contiguous()
     if not quantizer.delayed or quantizer.stats is not None:  # stats recording counts the written dh
+        if quantizer.cast_act_grad is not None:  # the quantizer's own fused cast (block scaling)
+            out = quantizer.cast_act_grad(da, h, kind, transpose=transpose, dbias=dbias)
+            if out is not None:
+                return out
         # current scaling: the kernel takes the amax of the dh it writes (no separate read of dh)
         amax = None if quantizer.stats is not None else torch.zeros(1, dtype=torch.float32, device=h.device)
         dh, _, _, db = bwd(da, h, None, None, amax)
@@ -220,7 +236,7 @@ def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.
 
     With the epilogue asked for (``gelu_epilogue``: True; None: by the output's size, :func:`use_gelu_epilogue`),
     GELU, a bias, delayed scaling and a GPU whose cuBLASLt has the kernel, one GEMM with
-    the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise :func:`fp8_fprop`
+    the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise fc1's fprop
     then :func:`act_fwd_cast`. Traced by ``torch.compile`` on CUDA under the same conditions: that GEMM as the
     custom op :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8` (amax into the state's history slot, as
     :func:`act_fwd_cast`'s op), which falls back inside itself where cuBLASLt cannot run the epilogue.
@@ -241,7 +257,7 @@ def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.
                                                       w1_fp8.data, w1_fp8.scale_inv, b1, out_dtype, scale,
                                                       quantizer.fp8_dtype, amax)
                 return h, Float8Tensor(y8, scale_inv, out_dtype)
-    h = fp8_fprop(x_fp8, w1_fp8, out_dtype, b1)
+    h = x_fp8.fprop(w1_fp8, out_dtype, b1)
     return h, act_fwd_cast(h, kind, quantizer, transpose=transpose)
 
 
@@ -263,17 +279,17 @@ class _FP8MLP(torch.autograd.Function):
                                  gelu_epilogue=gelu_epilogue)
         # fc2 fprop: y = a @ W2.T + b2 (row parallel: b2 added after the reduction over the ranks)
         row = fc2_comm is not None and fc2_comm.reduces_output
-        y = fp8_fprop(a_fp8, w2_fp8, x.dtype, None if b2 is None or row else b2)
+        y = a_fp8.fprop(w2_fp8, x.dtype, None if b2 is None or row else b2)
         if row:
             y = fc2_comm.reduce_output(y)
             if b2 is not None:
                 y = y + b2.to(y.dtype)
         ctx.save_for_backward(w1, w2, h if need_dh else None)
         ctx.x_shard = x_shard if need_dw1 else None  # re-gathered in backward instead of keeping x^T
-        ctx.x_t = (x_fp8.transpose_2d(), x_fp8.scale_inv) if need_dw1 and x_shard is None else None
-        ctx.w1_t = (w1_fp8.transpose_2d(), w1_fp8.scale_inv) if need_x else None
-        ctx.a_t = (a_fp8.transpose_2d(), a_fp8.scale_inv) if need_dw2 else None
-        ctx.w2_t = (w2_fp8.transpose_2d(), w2_fp8.scale_inv) if need_dh else None
+        ctx.x_t = x_fp8.t_operand() if need_dw1 and x_shard is None else None
+        ctx.w1_t = w1_fp8.t_operand() if need_x else None
+        ctx.a_t = a_fp8.t_operand() if need_dw2 else None
+        ctx.w2_t = w2_fp8.t_operand() if need_dh else None
         ctx.grad_q1, ctx.grad_q2, ctx.kind, ctx.fuse_wgrad = fc1.grad_output, fc2.grad_output, kind, fuse_wgrad
         ctx.x_shape, ctx.comms = x.shape, (fc1_comm, fc2_comm)
         return y.reshape(*output_leading_dims(x, y.shape[0]), y.shape[-1])

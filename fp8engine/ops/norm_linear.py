@@ -84,8 +84,17 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         if residual is not None:
             res = dict(residual=residual.contiguous(), residual_out=torch.empty_like(x))
         # fused cast for delayed scaling; current scaling (the kernel also takes the amax of the y it writes) and
-        # FP8 stats recording (fp8engine.fp8.stats: counts need y) write y and cast it separately
+        # FP8 stats recording (fp8engine.fp8.stats: counts need y) write y and cast it separately; block scaling
+        # has its own norm kernel writing the 1 x 128-tiled copy (rows padded) and its re-tiled transpose
         delayed = quantizer is not None and quantizer.delayed and quantizer.stats is None
+        if not delayed and quantizer is not None and quantizer.cast_norm is not None:
+            y, y_fp8, mean, rstd = quantizer.cast_norm(x, weight, bias, eps, rms=rms, transpose=transpose,
+                                                       zero_centered_gamma=zero_centered_gamma,
+                                                       return_hp=return_hp, res=res)
+            s = res.get("residual_out", x)
+            if y is None and placeholder:  # gradient carrier only, as below
+                y = s.new_empty(()).expand(s.shape)
+            return y, y_fp8, mean, rstd, s
         return_hp = return_hp or not delayed  # the separate cast reads y
         scale = fp8_dtype = amax_out = None
         if delayed:

@@ -113,8 +113,9 @@ def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Opt
     the bias gradient ``[C]`` when ``dbias``: ``(dy_fp8 [T, C], db or None)``. ``rope``: ``(cos, sin)`` angle tables
     (:func:`fp8engine.ops.rotary.rope_cos_sin`) when dq and dk are the gradients of rotated q and k: the rotation's
     gradient (:func:`fp8engine.ops.rotary.rope_bwd`) is applied first. Kernels, delayed scaling, all three given: one
-    pass, the rotation inside it (module docstring); otherwise ``rope_bwd``, then the assembled buffer cast as any
-    linear's output gradient (same bits)."""
+    pass, the rotation inside it (module docstring); a quantizer with its own fused cast (block scaling's
+    ``cast_qkv_grad``, :func:`fp8engine.kernels.qkv_grad.qkv_grad_1x128`) likewise; otherwise ``rope_bwd``, then
+    the assembled buffer cast as any linear's output gradient (same bits)."""
     q = quantizer
     if q.delayed and q.stats is None and dq is not None and dk is not None and dv is not None:
         cos, sin = rope if rope is not None else (None, None)
@@ -130,6 +131,10 @@ def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Opt
         if out is not None:
             data, data_t, scale_inv, db = out
             return Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if dbias else None)
+    elif q.cast_qkv_grad is not None:  # the quantizer's own fused cast (block scaling: 1 x 128 tiles)
+        out = q.cast_qkv_grad(dq, dk, dv, transpose=transpose, dbias=dbias, rope=rope)
+        if out is not None:
+            return out
     if rope is not None:
         dq, dk = unrotate_grads(dq, dk, rope)
     dy = assemble_qkv_grad(dq, dk, dv, heads_per_group=heads_per_group)

@@ -4,9 +4,8 @@ Both return ``(output, output_bias)`` as Megatron does: ``output_bias`` is the b
 (then not added), else None. Inside :func:`fp8engine.autocast` their GEMMs run in FP8 with a per-module
 :class:`~fp8engine.fp8.state.ScalingState` (rows ``input, weight, grad_output``), registered with the region like
 every FP8 module's, so ``autocast(amax_group=dp_group)`` reduces their amaxes across data-parallel ranks in the
-region's single collective. Under ``Float8BlockScaling`` the GEMMs are block-scaled
-(:func:`fp8engine.parallel.block_linear_ops.tp_block_linear`, scales just in time, nothing recorded); the per-rank
-shard dims must then be multiples of 128.
+region's single collective. Under ``Float8BlockScaling`` the same op runs the GEMMs block-scaled (scales just in
+time, nothing recorded); the per-rank shard dims must then be multiples of 128.
 
 Both run the package's one linear op, :func:`fp8engine.ops.linear.linear` (FP8 inside autocast, plain matmuls
 outside), with their :class:`~fp8engine.parallel.linear_ops.TPLinearComm`: the sequence-parallel all-gather of the
@@ -28,9 +27,8 @@ from torch import nn
 from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.fp8.quantizer import LinearQuantizers, get_quantizers
 from fp8engine.fp8.state import ScalingState
-from fp8engine.ops.block_linear import check_block_dims
+from fp8engine.ops.block_gemm import check_block_dims
 from fp8engine.ops.gemm import check_gemm_dims
-from fp8engine.parallel.block_linear_ops import tp_block_linear
 from fp8engine.ops.linear import LINEAR_ROLES, linear
 from fp8engine.parallel.linear_ops import TPLinearComm
 from fp8engine.parallel.mappings import (gather_from_tensor_model_parallel_region,
@@ -76,12 +74,9 @@ class _TPLinearBase(nn.Module):
         return quantizers
 
     def _tp_linear(self, x, bias, quantizers):
-        """The layer's op with its communication (``self._comm``): block-scaled under ``Float8BlockScaling``,
-        else :func:`fp8engine.ops.linear.linear` (FP8 with ``quantizers``, plain matmuls without)."""
-        fuse = self.gradient_accumulation_fusion
-        if quantizers is not None and quantizers.input.is_block:
-            return tp_block_linear(x, self.weight, bias, self._comm, quantizers, fuse)
-        return linear(x, self.weight, bias, quantizers, comm=self._comm, fuse_wgrad=fuse)
+        """The layer's op with its communication (``self._comm``): :func:`fp8engine.ops.linear.linear` (FP8 with
+        ``quantizers``, per-tensor or block-scaled; plain matmuls without)."""
+        return linear(x, self.weight, bias, quantizers, comm=self._comm, fuse_wgrad=self.gradient_accumulation_fusion)
 
 
 class ColumnParallelLinear(_TPLinearBase):

@@ -47,13 +47,14 @@ def test_cached_per_state_and_recipe_and_not_registered():
 def test_quantize_is_quantize_block(block):
     x = torch.randn(256, 384, dtype=torch.bfloat16) * torch.logspace(-3, 3, 384)
     q = BlockQuantizer(E4M3, block)
-    got, got_t = q.quantize(x, transpose=True)
+    got = q.quantize(x, transpose=True)
+    got_t = got.t_operand()
     want, want_t = quantize_block(x, E4M3, block, transpose=True)
     for a, b in ((got, want), (got_t, want_t)):
         assert a.block == b.block and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
         assert torch.equal(a.scale_inv, b.scale_inv)
-    only, none = q.quantize(x)
-    assert none is None and torch.equal(only.data.view(torch.uint8), want.data.view(torch.uint8))
+    only = q.quantize(x)
+    assert only._t is None and torch.equal(only.data.view(torch.uint8), want.data.view(torch.uint8))
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])  # True: the Triton kernel (the interpreter on the CPU)
@@ -66,8 +67,10 @@ def test_quantize_dbias_is_quantize_and_the_column_sums(use_kernel):
     dev = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"
     dy = (torch.randn(2, 128, 384) * torch.logspace(-2, 2, 384)).to(torch.bfloat16).to(dev)
     q = BlockQuantizer(E5M2, TILE_1x128, use_kernel=use_kernel)
-    got, got_t, db = q.quantize_dbias(dy, transpose=True)
-    want, want_t = q.quantize(dy, transpose=True)
+    got, db = q.quantize_dbias(dy, transpose=True)
+    got_t = got.t_operand()
+    want = q.quantize(dy, transpose=True)
+    want_t = want.t_operand()
     for a, b in ((got, want), (got_t, want_t)):
         assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale_inv, b.scale_inv)
     ref = dy.reshape(-1, 384).sum(0, dtype=torch.float32).to(torch.bfloat16)
@@ -78,8 +81,8 @@ def test_quantize_dbias_is_quantize_and_the_column_sums(use_kernel):
         assert torch.all((db.double() - exact).abs() <= 2 * 2.0 ** -7 * exact.abs() + bound)
     else:
         assert torch.equal(db, ref)
-    only, none, db2 = q.quantize_dbias(dy, transpose=False)
-    assert none is None and torch.equal(only.data.view(torch.uint8), want.data.view(torch.uint8))
+    only, db2 = q.quantize_dbias(dy, transpose=False)
+    assert only.t_operand() is None and torch.equal(only.data.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(db2, db)
 
 

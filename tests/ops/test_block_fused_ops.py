@@ -1,18 +1,17 @@
-"""The block-scaled ops with the fused kernels (the kernel path, run on CPU under TRITON_INTERPRET=1): the norm
-writing the GEMM's 1 x 128 FP8 input (``ops.block_norm.block_norm_cast`` -> ``block_fp8_linear(x_q=...)``) and the
-one-node MLP with the activation kernels (``ops.block_mlp.block_fp8_mlp``), against the unfused compositions: bit
-for bit where the high-precision intermediate is rounded the same way (fp32), against float64 otherwise."""
+"""The ops under block scaling with the fused kernels (the kernel path, run on CPU under TRITON_INTERPRET=1): the
+norm writing the GEMM's 1 x 128 FP8 input (``ops.norm_linear.norm_cast`` with a ``BlockQuantizer`` ->
+``fp8_linear(x_fp8=...)``) and the one-node MLP with the activation kernels (``ops.mlp.fp8_mlp``), against the
+unfused compositions: bit for bit where the high-precision intermediate is rounded the same way (fp32), against
+float64 otherwise."""
 import pytest
 import torch
 
 from _ops_test_utils import IGNORE_INTERPRETER_WARNINGS, force_kernels  # noqa: F401 (fixture)
 from fp8engine.fp8.block_quantizer import block_quantizers_for
 from fp8engine.fp8.quantizer import LinearQuantizers
-from fp8engine.ops.block_linear import block_fp8_linear
-from fp8engine.ops.block_mlp import block_fp8_mlp
-from fp8engine.ops.block_norm import block_norm_cast
-from fp8engine.ops.mlp import act_fwd
-from fp8engine.ops.norm_linear import norm
+from fp8engine.ops.linear import fp8_linear
+from fp8engine.ops.mlp import _unfused_fp8_mlp, act_fwd, fp8_mlp
+from fp8engine.ops.norm_linear import norm, norm_cast
 from fp8engine.recipe import Float8BlockScaling, Format
 from tests.conftest import sqnr
 
@@ -44,11 +43,12 @@ def _norm_linear(fused, x, res, nw, nb, w, b, dy, ds, rms, q):
     x, res, nw, nb, w, b = (_leaf(t) for t in (x, res, nw, nb, w, b))
     kw = dict(rms=rms, zero_centered_gamma=True, residual=res)
     if fused:
-        ln, x_q, s = block_norm_cast(x, nw, nb, 1e-5, quantizer=q.input, transpose=True, **kw)
-        y = block_fp8_linear(ln, w, b, q, x_q=x_q)
+        ln, x_q, s = norm_cast(x, nw, nb, 1e-5, quantizer=q.input, transpose=True, return_hp=False,
+                               return_input=True, **kw)
+        y = fp8_linear(ln, w, b, q, x_fp8=x_q)
     else:
         ln, s = norm(x, nw, nb, 1e-5, return_input=True, **kw)
-        y = block_fp8_linear(ln, w, b, q)
+        y = fp8_linear(ln, w, b, q)
     torch.autograd.backward([y, s], [dy, ds])
     return [y] + _grads(x, res, nw, nb, w, b)
 
@@ -80,10 +80,10 @@ def test_norm_cast_return_hp_and_no_grad(force_kernels):
     x = torch.randn(3, 50, 128)
     nw, nb = _norm_params(128, torch.float32, 2)
     q = _quantizers()[0].input
-    y, (qx, qx_t), _ = block_norm_cast(x, nw, nb, 1e-5, rms=False, zero_centered_gamma=False, quantizer=q,
-                                       transpose=False, return_hp=True)
+    y, qx = norm_cast(x, nw, nb, 1e-5, rms=False, zero_centered_gamma=False, quantizer=q, transpose=False,
+                      return_hp=True)
     torch.testing.assert_close(y, norm(x, nw, nb, 1e-5, rms=False), rtol=0, atol=0)
-    assert qx_t is None and qx.shape == (256, 128) and not qx.data[150:].view(torch.uint8).any()
+    assert qx.t_operand() is None and qx.shape == (256, 128) and not qx.data[150:].view(torch.uint8).any()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def _mlp(x, params, dy, kind, fused, fmt=Format.E4M3, frozen=False, fuse_wgrad=F
         for w in (params[0], params[2]):
             w.main_grad = torch.zeros_like(w, dtype=torch.float32)
     fc1, fc2 = _quantizers(fmt, 2)
-    y = block_fp8_mlp(x, *params, kind, fc1, fc2, fused=fused, fuse_wgrad=fuse_wgrad)
+    y = (fp8_mlp if fused else _unfused_fp8_mlp)(x, *params, kind, fc1, fc2, fuse_wgrad=fuse_wgrad)
     y.backward(dy)
     grads = [(p.main_grad if fuse_wgrad and p.dim() == 2 else p.grad) if p is not None else None for p in params]
     return [y, x.grad] + grads
@@ -166,11 +166,15 @@ def test_mlp_frozen_weights_and_fused_wgrad(force_kernels):
         torch.testing.assert_close(fused_wgrad[i], full[i], rtol=0, atol=0)
 
 
-def test_x_q_needs_the_fused_path():
+def test_x_fp8_takes_either_path(force_kernels):
+    """An input cast already (by the norm kernel) runs through the one-node MLP and the three-node composition
+    alike (the block-scaled MLP once needed its fused path for it): the same output, bit for bit (ReLU, fp32)."""
+    force_kernels(True)
     x, params, _ = _mlp_inputs("relu", torch.float32, m=128)
     fc1, fc2 = _quantizers(gemms=2)
-    with pytest.raises(ValueError, match="needs the fused path"):
-        block_fp8_mlp(x, *params, "relu", fc1, fc2, x_q=fc1.input.quantize(x, transpose=True), fused=False)
+    x_fp8 = fc1.input.quantize(x, transpose=True)
+    ys = [mlp(x, *params, "relu", fc1, fc2, x_fp8=x_fp8) for mlp in (fp8_mlp, _unfused_fp8_mlp)]
+    torch.testing.assert_close(ys[0], ys[1], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,12 +206,12 @@ def test_x_q_without_transpose_refused_when_a_wgrad_runs(force_kernels, op):
     (q,) = _quantizers()
     x = torch.randn(128, 128)
     w = torch.randn(128, 128, requires_grad=True)
-    y, x_q, _ = block_norm_cast(x, torch.ones(128), None, 1e-5, rms=True, zero_centered_gamma=False,
-                                quantizer=q.input, transpose=False)
-    assert x_q[1] is None
+    y, x_q = norm_cast(x, torch.ones(128), None, 1e-5, rms=True, zero_centered_gamma=False, quantizer=q.input,
+                       transpose=False, return_hp=False)
+    assert x_q.t_operand() is None
     with pytest.raises(ValueError, match="no transposed copy"):
         if op == "linear":
-            block_fp8_linear(y, w, None, q, x_q=x_q)
+            fp8_linear(y, w, None, q, x_fp8=x_q)
         else:
             fc1, fc2 = _quantizers(gemms=2)
-            block_fp8_mlp(y, w, None, torch.randn(128, 128), None, "gelu", fc1, fc2, x_q=x_q, fused=True)
+            fp8_mlp(y, w, None, torch.randn(128, 128), None, "gelu", fc1, fc2, x_fp8=x_q)

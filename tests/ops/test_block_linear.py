@@ -8,7 +8,7 @@ import torch
 
 from fp8engine.fp8.block_tensor import BLOCK_128x128, TILE_1x128, quantize_block
 from fp8engine.ops.block_gemm import block_gemm
-from fp8engine.ops.block_linear import block_linear
+from fp8engine.ops.linear import block_linear
 from fp8engine.recipe import DelayedScaling, Float8BlockScaling, Format
 from tests.conftest import sqnr
 
@@ -126,3 +126,11 @@ def test_cuda_matches_cpu(fmt):
     gpu = _run(*(t.cuda() for t in (x, w, b, dy)), recipe=Float8BlockScaling(fmt))
     for c, g in zip(cpu, gpu):
         assert sqnr(c, g.cpu()) >= 40
+
+
+def test_one_op_for_every_recipe():
+    """Block scaling runs the linear op the per-tensor recipes run (one autograd node type, ``_FP8Linear``), its
+    FP8 tensors carrying the block-scaled GEMMs: no op of its own."""
+    x, w, b, _ = _inputs()
+    y = block_linear(x.requires_grad_(), w, b)
+    assert type(y.grad_fn).__name__ == "_FP8LinearBackward"

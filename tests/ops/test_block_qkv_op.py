@@ -1,5 +1,5 @@
-"""block_fp8_linear_qkv (the block-scaled QKV projection returning q, k, v, its backward casting the gradient
-straight from dq, dk, dv) against the composed block_fp8_linear + split_grouped_qkv: the same q, k, v and the same
+"""fp8_linear_qkv under block scaling (the QKV projection returning q, k, v, its backward casting the gradient
+straight from dq, dk, dv) against the composed fp8_linear + split_grouped_qkv: the same q, k, v and the same
 gradients, bit for bit (the same FP8 operands reach the same GEMMs), with and without rotary angles, on the
 kernel path (the Triton kernels: the interpreter on the CPU) and the reference path."""
 import pytest
@@ -8,7 +8,8 @@ import torch
 from fp8engine.fp8.block_quantizer import block_quantizers_for
 from fp8engine.fp8.quantizer import LinearQuantizers
 from fp8engine.kernels._common import HAS_TRITON
-from fp8engine.ops.block_linear import block_fp8_linear, block_fp8_linear_qkv
+from fp8engine.ops.linear import fp8_linear
+from fp8engine.ops.qkv import fp8_linear_qkv
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
 from fp8engine.ops.qkv import split_grouped_qkv
 from fp8engine.ops.rotary import unrotate_grads
@@ -28,9 +29,9 @@ def _run(fused: bool, use_kernel: bool, rope: bool, bias: bool, s=24, b=3, k=128
     freqs = (torch.rand(s, 1, 1, SPLIT[2], generator=g) * 6).to(DEV) if rope else None
     qs = LinearQuantizers(*block_quantizers_for(Float8BlockScaling(), 3, use_kernel))
     if fused:
-        q, kk, v = block_fp8_linear_qkv(x, w, bb, qs, SPLIT, freqs=freqs)
+        q, kk, v = fp8_linear_qkv(x, w, bb, qs, SPLIT, freqs=freqs)
     else:
-        q, kk, v = split_grouped_qkv(block_fp8_linear(x, w, bb, qs), *SPLIT, freqs=freqs)
+        q, kk, v = split_grouped_qkv(fp8_linear(x, w, bb, qs), *SPLIT, freqs=freqs)
     grads = [torch.randn(t.shape, generator=g).to(torch.bfloat16).to(DEV) for t in (q, kk, v)]
     torch.autograd.backward([q, kk, v], grads)
     dq, dk = grads[0], grads[1]
@@ -47,7 +48,7 @@ def _run(fused: bool, use_kernel: bool, rope: bool, bias: bool, s=24, b=3, k=128
 def test_fused_equals_composed(use_kernel, rope, bias, monkeypatch):
     if use_kernel is False and DEV == "cuda":
         pytest.skip("the reference path is the CPU's")
-    import fp8engine.ops.block_linear as op_module
+    import fp8engine.kernels.qkv_grad as op_module
 
     calls = []
     real = op_module.qkv_grad_1x128
@@ -77,4 +78,4 @@ def test_fused_equals_composed(use_kernel, rope, bias, monkeypatch):
 def test_wrong_dtype():
     qs = LinearQuantizers(*block_quantizers_for(Float8BlockScaling(), 3, False))
     with pytest.raises(TypeError, match="bfloat16 or float32"):
-        block_fp8_linear_qkv(torch.randn(4, 1, 128, dtype=torch.float16), torch.randn(384, 128), None, qs, SPLIT)
+        fp8_linear_qkv(torch.randn(4, 1, 128, dtype=torch.float16), torch.randn(384, 128), None, qs, SPLIT)
