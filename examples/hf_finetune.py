@@ -15,6 +15,12 @@ a CUDA graph (``fp8engine.training.step.CUDAGraphStep``, static shapes) and repl
 says so in one line and continues eagerly. Progress: a tqdm bar (loss, tokens/s); with ``--out``, one JSON line per
 step in ``metrics.jsonl`` (``step``, ``loss``, ``lr``, ``tokens_per_s``) as in ``fp8engine.train``. The last line
 is the median tokens/s over the steps after the first quarter (warm-up and capture excluded).
+
+Loss (``--lm-loss``): by default the LM head and the cross-entropy are fused and chunked
+(:func:`fp8engine.ops.lm_head.lm_head_cross_entropy`: the ``[tokens, vocab]`` logits are never materialized) for the
+architectures whose logits are exactly ``last_hidden_state @ lm_head.weight.T`` (:data:`FUSED_LOSS_MODEL_TYPES`, no
+head bias); ``liger`` / ``cce`` use those libraries (CUDA), ``unfused`` the model's logits. Other architectures
+(logit scaling or soft-capping) run unfused, and the run says so in one line.
 """
 from __future__ import annotations
 
@@ -47,6 +53,12 @@ PRESETS = {
 }
 
 
+#: ``config.model_type`` of the architectures whose logits are ``base_model(x).last_hidden_state @ lm_head.weight.T``
+#: (no logit scale, soft-cap or bias), where the fused LM head + loss gives the model's own loss.
+FUSED_LOSS_MODEL_TYPES = ("llama", "gpt2", "mistral", "qwen2")
+LM_LOSSES = ("chunked", "liger", "cce", "unfused")
+
+
 def build_parser() -> CommandParser:
     p = CommandParser(prog=PROG, description=__doc__)
     p.add_argument("--model", default="llama-tiny", choices=list(PRESETS), help="random-init preset")
@@ -60,6 +72,9 @@ def build_parser() -> CommandParser:
     p.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate (cosine decay)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the step eagerly")
+    p.add_argument("--lm-loss", default="chunked", choices=LM_LOSSES,
+                   help="LM head + cross-entropy: fused and chunked (plain PyTorch), liger-kernel's or cut-cross-"
+                        "entropy's fused loss (CUDA), or unfused (the model's logits)")
     p.add_argument("--out", help="directory for metrics.jsonl")
     return p
 
@@ -125,14 +140,33 @@ def load_tokens(args, encode, torch):
 
 class CausalLMLoss:
     """``step_model(x, y, is_first_microbatch=None) -> mean cross entropy`` for a transformers causal LM, as
-    :class:`fp8engine.training.step.TrainStep` calls it (``y``: the next-token targets)."""
+    :class:`fp8engine.training.step.TrainStep` calls it (``y``: the next-token targets). ``lm_loss``: a backend of
+    :func:`fp8engine.ops.lm_head.lm_head_cross_entropy` over the base model's last hidden state and the LM head's
+    weight, or ``"unfused"`` (the model's logits, then ``cross_entropy``)."""
 
-    def __init__(self, model, torch):
-        self.model, self.torch = model, torch
+    def __init__(self, model, torch, lm_loss: str = "unfused"):
+        self.model, self.torch, self.lm_loss = model, torch, lm_loss
 
     def __call__(self, x, y, is_first_microbatch=None):
-        logits = self.model(input_ids=x, use_cache=False).logits
-        return self.torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if self.lm_loss == "unfused":
+            logits = self.model(input_ids=x, use_cache=False).logits
+            return self.torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        from fp8engine.ops.lm_head import lm_head_cross_entropy
+
+        hidden = self.model.base_model(input_ids=x, use_cache=False).last_hidden_state
+        return lm_head_cross_entropy(hidden, self.model.get_output_embeddings().weight, y, self.lm_loss)
+
+
+def lm_loss_for(model, requested: str) -> tuple[str, str]:
+    """``(backend, note)``: ``requested``, or ``"unfused"`` where the model's logits are not a plain head GEMM of
+    its last hidden state (``note`` then says why, for one printed line; else empty)."""
+    head = model.get_output_embeddings()
+    plain = (model.config.model_type in FUSED_LOSS_MODEL_TYPES and head is not None
+             and getattr(head, "bias", None) is None)
+    if requested == "unfused" or plain:
+        return requested, ""
+    return "unfused", (f"--lm-loss {requested}: {model.config.model_type} models are not known to have plain "
+                       "head logits (no scale, soft-cap or bias); using the unfused loss")
 
 
 def main(argv=None) -> int:
@@ -161,7 +195,7 @@ def finetune(args) -> int:
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.model_path or args.model}, {n_params / 1e6:.1f}M parameters, {args.precision} on {device}, "
-          f"batch {args.batch_size} x {args.seq_len}", flush=True)
+          f"batch {args.batch_size} x {args.seq_len}, lm loss {args.lm_loss}", flush=True)
     if args.precision == "fp8":
         print(fe.convert_to_fp8(model), flush=True)
     tokens = load_tokens(args, encode, torch)
@@ -178,8 +212,11 @@ def finetune(args) -> int:
         return torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=device.type == "cuda")
 
     optimizer = make_optimizer(model, args.lr, 0.1, device)
-    step_model, params = CausalLMLoss(model, torch), list(model.parameters())
-    problem = capture_problem(device, 1, False)
+    lm_loss, note = lm_loss_for(model, args.lm_loss)
+    if note:
+        print(note, flush=True)
+    step_model, params = CausalLMLoss(model, torch, lm_loss), list(model.parameters())
+    problem = capture_problem(device, False)
     if args.cuda_graphs and problem is None:
         step_fn = CUDAGraphStep(step_model, params, optimizer, context, 1, clip, device=device)
     else:

@@ -75,8 +75,8 @@ from fp8engine.training.sharded_checkpoint import (SHARDED_DIR, CheckpointNotWri
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
 from fp8engine.training.step import CUDAGraphStep, TrainStep, capture_problem, graph_warmup, make_optimizer, set_lr
 from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
-from fp8engine.training.flags import (RECIPES, check_block_run, check_fp8_dims, check_out, check_precision,
-                                     fill_defaults, resolve_device)
+from fp8engine.training.flags import (RECIPES, check_block_run, check_fp8_dims, check_lm_loss, check_out,
+                                     check_precision, fill_defaults, resolve_device)
 from fp8engine.training import flags
 from fp8engine.training.fp8_health import HEALTH_PLOT_NAME, STATS_KEY, plot_fp8_health, rows_to_json
 from fp8engine.fp8.stats import fp8_stats, fp8_stats_recording
@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
 #: Options that define a run; ``--resume`` refuses to continue a checkpoint written with different values.
 _RUN_IDENTITY = ("model", "precision", "recipe", "batch_size", "seq_len", "lr", "dropout", "grad_accum", "seed",
                  "weight_decay", "warmup_steps", "data", "n_layer", "n_head", "hidden_size", "ffn_hidden_size", "tp",
-                 "sequence_parallel", "world_size")
+                 "sequence_parallel", "world_size", "fp8_lm_head")
+#: Identity keys added later: their value in a checkpoint written before them.
+_IDENTITY_DEFAULTS = {"fp8_lm_head": False}
 _SAMPLE_TEMPERATURE, _SAMPLE_TOP_K = 0.8, 40
 def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
     """Learning rate of 1-based ``step``: linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to
@@ -107,7 +109,8 @@ def _model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     base = GPT_CONFIGS[args.model]
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "hidden_size", "ffn_hidden_size")
                  if getattr(args, k) is not None}
-    overrides.update(vocab_size=vocab_size, max_seq_len=base.max_seq_len if args.seq_len is None else args.seq_len)
+    overrides.update(vocab_size=vocab_size, max_seq_len=base.max_seq_len if args.seq_len is None else args.seq_len,
+                     lm_loss=args.lm_loss, fp8_lm_head=args.fp8_lm_head)
     if args.dropout is not None:
         overrides["dropout"] = args.dropout
     try:
@@ -143,6 +146,7 @@ def prepare(args: argparse.Namespace) -> Run:
     args = fill_defaults(args)
     device = resolve_device(args.device)
     check_precision(args, device)
+    check_lm_loss(args, device)
     data = load_data(args.data)
     config = _model_config(args, data.vocab_size)
     args.seq_len = config.max_seq_len
@@ -190,10 +194,12 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_same_run(saved: dict[str, Any], args: argparse.Namespace) -> None:
     for key in _RUN_IDENTITY:
-        if saved.get(key) != getattr(args, key):
+        want = saved.get(key, _IDENTITY_DEFAULTS.get(key))
+        if want != getattr(args, key):
             flag = "--" + key.replace("_", "-")
-            raise UsageError(f"--resume: the checkpoint was written with {flag} {saved.get(key)}, this run has "
-                             f"{getattr(args, key)}; pass {flag} {saved.get(key)} or use a new --out")
+            fix = f"{'add' if want else 'drop'} {flag}" if isinstance(want, bool) else f"pass {flag} {want}"
+            raise UsageError(f"--resume: the checkpoint was written with {flag} {want}, this run has "
+                             f"{getattr(args, key)}; {fix} or use a new --out")
 
 
 def _precision_context(args: argparse.Namespace, device: torch.device, train: bool, amax_group=None):
@@ -246,6 +252,21 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
     if run.args.compile:
         step_model = torch.compile(step_model)
     return model, step_model, optimizer
+
+
+def graph_problem(run: Run) -> Optional[str]:
+    """Why this run's step is not captured in a CUDA graph (one line), or None: :func:`capture_problem`'s reasons,
+    and the options whose work a graph cannot hold (liger/cce losses read values on the host; FSDP2 manages its
+    memory from the host)."""
+    args = run.args
+    problem = capture_problem(run.device, args.compile)
+    if problem is None and args.lm_loss in ("liger", "cce"):
+        problem = (f"CUDA graphs are not used with --lm-loss {args.lm_loss} (its loss reads values on the host; "
+                   "--lm-loss chunked is captured)")
+    if problem is None and args.fsdp:
+        problem = "CUDA graphs are not used with --fsdp (FSDP2 schedules its all-gathers and frees their memory " \
+                  "from the host)"
+    return problem
 
 
 def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -573,10 +594,7 @@ def _main(argv: Optional[list[str]]) -> int:
     run.layout = init_layout(args.tp, run.device, timeout=args.dist_timeout)
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())
-    run.graph_problem = capture_problem(run.device, args.compile)
-    if args.fsdp and run.graph_problem is None:
-        run.graph_problem = ("CUDA graphs are not used with --fsdp (FSDP2 schedules its all-gathers and frees their "
-                             "memory from the host)")
+    run.graph_problem = graph_problem(run)
     try:
         if run.checkpoint is not None and run.layout.world_size > 1:
             run.checkpoint = _select_sharded(run)
@@ -617,5 +635,19 @@ def _main(argv: Optional[list[str]]) -> int:
     return 0
 
 
+
+def command() -> None:
+    """``python -m fp8engine.train`` / ``fp8engine-train``: :func:`main`, then exit with its status. A process of a
+    multi-process run leaves without the interpreter's teardown once everything is written and flushed: a gloo or
+    FSDP2 background thread still joinable at that point made a finished rank abort ("terminate called without an
+    active exception", SIGABRT) now and then on the CPU, failing a run whose every step and checkpoint were done."""
+    status = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

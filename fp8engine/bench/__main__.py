@@ -8,6 +8,7 @@ Each benchmark lives in its own module exposing ``main(argv: list[str]) -> int``
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Optional
 
@@ -25,6 +26,8 @@ BENCHMARKS = {
     "train": ("fp8engine.bench.train", "training-command steps: ms/step, tokens/s, MFU per precision and mode"),
     "jax": ("fp8engine.bench.jax_dense", "fp8engine.jax DenseGeneral vs flax bf16 and flax fp8_ops"),
     "comm": ("fp8engine.bench.comm", "sequence-parallel all-gather, bf16 vs FP8 (under torchrun)"),
+    "lm_loss": ("fp8engine.bench.lm_loss", "LM head + cross-entropy fwd+bwd per backend (unfused, chunked, liger, "
+                                           "cce)"),
 }
 #: What ``all`` runs, in order: the single-GPU benchmarks of the FP8 building blocks.
 ALL = ("cast", "linear", "layer")
@@ -66,4 +69,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: no interpreter teardown (fp8engine.train.command)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -73,7 +73,7 @@ MODES = {
     "fp8-block-graph": ["--precision", "fp8", "--recipe", "block"],
 }
 #: model -> micro-batch size (the end-to-end issue's shapes: gpt2-124m 16 x 1024, 1b 4 x 2048).
-BATCH = {"tiny": 16, "small": 64, "gpt2-124m": 16, "1b": 4}
+BATCH = {"tiny": 16, "small": 64, "gpt2-124m": 16, "1b": 4, "8b": 1}
 #: Dense bf16 peak by datasheet, TFLOP/s (H100/H200 SXM: 989), for MFU.
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
@@ -83,7 +83,7 @@ def model_flops_per_token(config, seq_len: int) -> float:
     layers' and final norm's parameters and the LM head GEMM (``h * V``), not the embedding lookup."""
     h, L, f, v = config.hidden_size, config.n_layer, config.ffn_hidden_size, config.vocab_size
     kv = h // config.n_head * (config.num_gqa_groups or config.n_head)
-    per_layer = h * (h + 2 * kv) + h * h + 2 * h * f
+    per_layer = h * (h + 2 * kv) + h * h + (3 if config.activation == "swiglu" else 2) * h * f
     return 6.0 * (L * per_layer + h * v) + 12.0 * L * h * seq_len
 
 
@@ -127,11 +127,13 @@ def _setup(model_name: str, mode: str, args: argparse.Namespace):
         argv += ["--tp", str(args.tp)] + (["--sequence-parallel"] if args.sequence_parallel else [])
     if args.fsdp:
         argv += ["--fsdp"]
+    if args.lm_loss:
+        argv += ["--lm-loss", args.lm_loss]
     run = T.prepare(T.build_parser().parse_args(argv))
     run.layout = args.layout
     if run.device.type == "cuda":
         run.device = torch.device("cuda", torch.cuda.current_device())
-    run.graph_problem = T.capture_problem(run.device, run.args.compile)
+    run.graph_problem = T.graph_problem(run)
     if mode in PEER_MODES:
         from fp8engine.bench.plain_gpt import build_peer
 
@@ -300,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun (the rest of the "
                                                      "processes are data-parallel replicas)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: sequence parallelism")
+    p.add_argument("--lm-loss", choices=("chunked", "liger", "cce", "unfused"),
+                   help="the command's --lm-loss for every mode (default: the command's default, chunked)")
     p.add_argument("--fsdp", action="store_true", help="the data-parallel replicas shard with FSDP2 (the command's "
                                                        "--fsdp)")
     p.add_argument("--baseline", default="bf16", help="the mode the vs_base column divides by (default bf16)")

@@ -2,10 +2,11 @@
 
 Everything here that talks to ``torch.distributed`` takes its process group as an argument; ``None`` means a
 single rank. See each module: ``mappings`` (region mappings), ``layers`` (Column/RowParallelLinear),
-``linear_ops`` (``TPLinearComm``: the communication the linear/MLP ops run), ``block_linear_ops``,
-``embedding``, ``cross_entropy``, ``random`` (RNG tracker, Megatron's ``checkpoint``, TransformerEngine's
-``te_checkpoint``), ``utils`` (``VocabUtility``, 1-D split/gather), ``data`` (broadcast_data), ``mesh``
-(ParallelDims, init_parallel), ``fp8_comm`` (FP8 all-gather), ``inference``.
+``linear_ops`` (``TPLinearComm``: the communication the linear/MLP ops run, per-tensor and block-scaled),
+``embedding``, ``cross_entropy``, ``lm_head_loss`` (the fused vocab-parallel LM head + loss), ``random`` (RNG
+tracker, Megatron's ``checkpoint``, TransformerEngine's ``te_checkpoint``), ``utils`` (``VocabUtility``, 1-D
+split/gather), ``data`` (broadcast_data), ``mesh`` (ParallelDims, init_parallel), ``fp8_comm`` (FP8 all-gather),
+``inference``.
 """
 from fp8engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from fp8engine.parallel.data import broadcast_data
@@ -14,6 +15,7 @@ from fp8engine.parallel.fp8_comm import cast_and_all_gather_fp8, measure_sp_all_
 from fp8engine.parallel.inference import (InferenceLayerNormColumnParallelLinear, InferenceRowParallelLinear,
                                           reduce_scatter_residual_rmsnorm_all_gather)
 from fp8engine.parallel.layers import ColumnParallelLinear, RowParallelLinear, all_reduce_sequence_parallel_grads
+from fp8engine.parallel.lm_head_loss import vocab_parallel_linear_cross_entropy
 from fp8engine.parallel.mappings import (all_gather_last_dim_from_tensor_parallel_region, all_to_all,
                                          all_to_all_hp2sp, all_to_all_sp2hp, copy_to_tensor_model_parallel_region,
                                          gather_from_sequence_parallel_region,
@@ -35,7 +37,8 @@ __all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_par
            "reduce_scatter_to_sequence_parallel_region", "all_gather_last_dim_from_tensor_parallel_region",
            "reduce_scatter_last_dim_to_tensor_parallel_region", "all_to_all", "all_to_all_sp2hp", "all_to_all_hp2sp",
            "ColumnParallelLinear", "RowParallelLinear", "all_reduce_sequence_parallel_grads",
-           "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "RNGStatesTracker", "default_rng_tracker",
+           "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
+           "RNGStatesTracker", "default_rng_tracker",
            "model_parallel_manual_seed", "checkpoint", "te_checkpoint", "CheckpointWithoutOutput", "broadcast_data",
            "split_tensor_along_last_dim", "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
            "get_group_size", "get_group_rank", "VocabUtility", "ParallelDims", "ParallelEnv", "init_parallel",

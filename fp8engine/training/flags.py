@@ -4,6 +4,7 @@ line, exit status 2, before anything is written). Used by :mod:`fp8engine.train`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -14,15 +15,16 @@ import torch
 import fp8engine
 from fp8engine._cli import CommandParser
 from fp8engine.models import GPT_CONFIGS, GPTConfig
+from fp8engine.ops.lm_head import LM_LOSS_BACKENDS
 from fp8engine.training import UsageError
 from fp8engine.training.distributed import env_world_size
 
 __all__ = ["build_parser", "check_flags", "check_out", "fill_defaults", "resolve_device", "check_block_run",
-           "check_fp8_dims", "check_precision", "seq_len_warning", "MODEL_DEFAULTS", "RECIPES"]
+           "check_fp8_dims", "check_precision", "check_lm_loss", "seq_len_warning", "MODEL_DEFAULTS", "RECIPES"]
 
 #: Per-model defaults for options left unset: (steps, batch size, learning rate).
 MODEL_DEFAULTS = {"tiny": (600, 16, 3e-3), "small": (5000, 64, 1e-3), "gpt2-124m": (20000, 16, 6e-4),
-                   "1b": (20000, 8, 3e-4)}
+                   "1b": (20000, 8, 3e-4), "8b": (20000, 1, 1.5e-4)}
 #: ``--recipe`` -> the recipe class (built with its defaults; Float8BlockScaling: E4M3, power-of-two scales).
 RECIPES = {"delayed": fp8engine.DelayedScaling, "current": fp8engine.CurrentScaling,
             "block": fp8engine.Float8BlockScaling}
@@ -94,6 +96,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--no-fused-layer", dest="fused_layer", action="store_false",
                    help="under per-tensor FP8, run each transformer layer's sublayers one by one instead of the "
                         "layer step as one autograd node (fp8engine.ops.layer; same math, more host time)")
+    p.add_argument("--lm-loss", default="chunked", choices=LM_LOSS_BACKENDS,
+                   help="the LM head + cross-entropy: fused and chunked in plain PyTorch (vocab-parallel with --tp), "
+                        "liger-kernel's or cut-cross-entropy's fused Triton loss (CUDA, no --tp; pip install "
+                        "fp8engine[lm-loss]), or unfused (the [tokens, vocab] logits materialized)")
+    p.add_argument("--fp8-lm-head", action="store_true",
+                   help="with --precision fp8, run the tied LM head's GEMMs in FP8 too (its loss is then the unfused "
+                        "cross-entropy; the vocabulary must be a multiple of 16, of 128 with --recipe block)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun; the other "
                                                      "processes form data-parallel replicas)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: norms/dropout on sequence shards")
@@ -190,6 +199,12 @@ def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.fp8_stats and args.recipe == "block":
         raise UsageError("--fp8-stats counts per-tensor FP8 casts; block-scaled casts (--recipe block) are not "
                          "counted: drop --fp8-stats or use --recipe delayed/current")
+    if args.fp8_lm_head and args.precision != "fp8":
+        raise UsageError(f"--fp8-lm-head runs the LM head in FP8; it needs --precision fp8 (got --precision "
+                         f"{args.precision})")
+    if args.lm_loss in ("liger", "cce") and args.tp > 1:
+        raise UsageError(f"--lm-loss {args.lm_loss} has no vocab-parallel form; with --tp use --lm-loss chunked "
+                         "(fused, vocab-parallel) or unfused")
     if args.fp8_stats and args.compile:
         raise UsageError("--fp8-stats counts the casts of eager FP8 code; a torch.compile-d model is not counted: "
                          "drop --compile or --fp8-stats")
@@ -247,6 +262,21 @@ def check_fp8_dims(args: argparse.Namespace, config: GPTConfig, tp_size: int) ->
                          "that are multiples of 128, or --recipe delayed / current")
     raise UsageError(f"--model {args.model} cannot run in FP8: {problems[0]}; use sizes that are "
                      "multiples of 16 or --precision bf16")
+
+
+def check_lm_loss(args: argparse.Namespace, device: torch.device) -> None:
+    """:class:`UsageError` when ``--lm-loss liger`` / ``cce`` cannot run here: not on CUDA, or the package is not
+    installed (the loss itself would raise RuntimeError at the first step)."""
+    if args.lm_loss not in ("liger", "cce"):
+        return
+    if device.type != "cuda":
+        raise UsageError(f"--lm-loss {args.lm_loss} runs Triton kernels on CUDA only; on {device.type} use "
+                         "--lm-loss chunked")
+    module, package = (("liger_kernel", "liger-kernel") if args.lm_loss == "liger"
+                       else ("cut_cross_entropy", "cut-cross-entropy"))
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f"--lm-loss {args.lm_loss} needs the {package} package: pip install {package} (or "
+                         "fp8engine[lm-loss]), or use --lm-loss chunked")
 
 
 def check_precision(args: argparse.Namespace, device: torch.device) -> None:

@@ -1,10 +1,12 @@
-"""GPT model: shapes, configs, causality, FP8 vs high precision, tied head, checkpoint round trip, generation."""
+"""GPT model: shapes, configs, causality, FP8 vs high precision, tied head, checkpoint round trip, generation, the
+fused LM head + loss vs the unfused one, and the FP8 LM head option."""
 import dataclasses
 
 import pytest
 import torch
 
 import fp8engine
+import fp8engine.ops.lm_head as lm_head
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
 from tests.conftest import sqnr
 
@@ -28,10 +30,12 @@ def test_forward_shapes_and_loss(b, s):
     x, y = _tokens(b, s), _tokens(b, s, seed=2)
     logits = model(x)
     assert logits.shape == (b, s, SMALL.vocab_size) and logits.dtype == torch.float32
-    loss = model(x, y)
-    assert loss.shape == () and torch.isfinite(loss)
+    loss = model(x, y)  # the fused, chunked loss (default lm_loss)
+    assert loss.shape == () and loss.dtype == torch.float32 and torch.isfinite(loss)
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, SMALL.vocab_size), y.reshape(-1))
-    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)  # float32 summation order
+    unfused = _model(dataclasses.replace(SMALL, lm_loss="unfused"))
+    torch.testing.assert_close(unfused(x, y), ref, rtol=0, atol=0)  # the same ops as the reference
 
 
 def test_sequence_longer_than_context_is_rejected():
@@ -86,7 +90,7 @@ def test_tied_head_and_parameter_count():
 
 
 @pytest.mark.parametrize("name,expected_millions", [("tiny", 0.43), ("small", 10.7), ("gpt2-124m", 123.7),
-                                                    ("1b", 1311.6)])
+                                                    ("1b", 1311.6), ("8b", 7187.0)])
 def test_named_configs(name, expected_millions):
     cfg = GPT_CONFIGS[name]
     assert cfg.num_params() / 1e6 == pytest.approx(expected_millions, abs=0.1)
@@ -184,3 +188,107 @@ def test_loss_falls_on_a_repeated_batch(precision):
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[0] > 4.0 and losses[-1] < 0.5 * losses[0]
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_close(got, want, rel):
+    """Every gradient within ``rel`` of its reference's largest element (elements are sums of both signs)."""
+    assert got.keys() == want.keys()
+    for name in want:
+        err, scale = (got[name] - want[name]).abs().max().item(), want[name].abs().max().item()
+        assert err <= rel * scale, f"{name}: max error {err:.3g} > {rel:g} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_fused_loss_matches_unfused(precision, monkeypatch):
+    """Same weights, same batch: the chunked fused loss (several chunks, the last one partial) gives the unfused
+    loss and every parameter gradient up to float32 summation order; under bf16 autocast (and FP8 layers, whose
+    current-scaling casts are deterministic) both run the head GEMMs in bf16 (the gradient's bf16 rounding
+    differs: the fused wgrad accumulates chunk products in float32)."""
+    monkeypatch.setattr(lm_head, "_CHUNK_ELEMENTS", 40 * SMALL.vocab_size)  # 32-row chunks: 4 for 3 x 32 tokens
+    assert lm_head.default_chunk_size(96, SMALL.vocab_size) == 32
+    fused, unfused = _model(), _model(dataclasses.replace(SMALL, lm_loss="unfused"))
+    unfused.load_state_dict(fused.state_dict())
+    x, y = _tokens(3, 32), _tokens(3, 32, seed=5)
+    losses, grads = [], []
+    for model in (fused, unfused):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"), \
+                fp8engine.autocast(enabled=precision == "fp8", recipe=fp8engine.CurrentScaling()):
+            loss = model(x, y)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(_grads(model))
+    assert losses[0].dtype == torch.float32
+    # fp32: ulps of the fp32 logits/statistics; bf16: the same bf16 logits, gradients through bf16 GEMMs
+    # (8 mantissa bits, 4e-3 relative rounding) whose outputs the two paths round differently (measured 2.6e-3).
+    loss_tol, grad_rel = (1e-6, 1e-5) if precision == "fp32" else (1e-5, 1e-2)
+    torch.testing.assert_close(losses[0], losses[1], rtol=loss_tol, atol=loss_tol)
+    _assert_grads_close(grads[0], grads[1], grad_rel)
+
+
+def test_lm_loss_config_and_backends():
+    with pytest.raises(ValueError, match="'chunked', 'liger', 'cce', 'unfused'"):
+        GPTConfig(lm_loss="fused")
+    with pytest.raises(ValueError, match="fp8_lm_head"):
+        GPTConfig(fp8_lm_head="yes")
+    model = _model(dataclasses.replace(SMALL, lm_loss="liger"))
+    x = _tokens(2, 8)
+    assert model(x).shape == (2, 8, SMALL.vocab_size)  # logits need no loss backend
+    if not torch.cuda.is_available():  # liger / cce are CUDA-only: a clear error, no silent fallback
+        with pytest.raises(RuntimeError, match="lm_loss='chunked'"):
+            model(x, _tokens(2, 8, seed=3))
+
+
+FP8_HEAD = dataclasses.replace(SMALL, vocab_size=96, fp8_lm_head=True)  # the head's GEMM dims: multiples of 16
+
+
+def test_fp8_lm_head_config():
+    assert dataclasses.replace(SMALL, fp8_lm_head=False).fp8_problems() == []
+    assert any("vocab_size (fp8_lm_head)=97" in p for p in dataclasses.replace(SMALL, fp8_lm_head=True).fp8_problems())
+    assert FP8_HEAD.fp8_problems() == [] and GPT_CONFIGS["gpt2-124m"].vocab_size % 128 == 0
+    assert _model(SMALL).fp8_head is None
+    model = _model(FP8_HEAD)  # the head's Linear shares the embedding's weight: one parameter, counted once
+    assert model.fp8_head.weight is model.embedding.weight
+    assert [n for n, p in model.named_parameters() if FP8_HEAD.vocab_size in p.shape] == ["embedding.weight"]
+    assert model.num_params() == FP8_HEAD.num_params()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["delayed", "current"])
+def test_fp8_lm_head_close_to_bf16_head(recipe):
+    """Same weights, FP8 layers under bf16 autocast: the FP8 head's logits and loss against the bf16 head's.
+    Logits >= 25 dB SQNR (torchao's bar for a GEMM), embedding gradient >= 18 dB (linear grads), the loss within
+    1 % (an FP8 E4M3 GEMM's ~3 % element error averages out over the vocabulary and the tokens). Outside
+    fp8engine.autocast the FP8-head model is the plain one, bit for bit; its scaling state is in the state_dict."""
+    fp8_model, bf16_model = _model(FP8_HEAD), _model(dataclasses.replace(FP8_HEAD, fp8_lm_head=False))
+    bf16_model.load_state_dict({k: v for k, v in fp8_model.state_dict().items() if not k.startswith("fp8_head.")})
+    assert any(k.startswith("fp8_head.fp8_state") for k in fp8_model.state_dict())
+    x, y = _tokens(4, 32, vocab=96), _tokens(4, 32, vocab=96, seed=3)
+    torch.testing.assert_close(fp8_model(x), bf16_model(x), rtol=0, atol=0)
+    out = []
+    for model in (fp8_model, bf16_model):
+        for _ in range(2):  # warm-up: delayed scaling's scales from real amaxes
+            with torch.autocast("cpu", dtype=torch.bfloat16), fp8engine.autocast(recipe=recipe):
+                model(x, y)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8engine.autocast(recipe=recipe):
+            logits = model(x)
+            loss = model(x, y)
+        loss.backward()
+        out.append((logits.detach().float(), loss.detach(), model.embedding.weight.grad.clone()))
+    (fp8_logits, fp8_loss, fp8_grad), (ref_logits, ref_loss, ref_grad) = out
+    assert sqnr(ref_logits, fp8_logits) >= 25
+    assert sqnr(ref_grad, fp8_grad) >= 18
+    assert abs(fp8_loss.item() - ref_loss.item()) <= 0.01 * ref_loss.item()
+    if recipe.__class__.__name__ == "DelayedScaling":  # the head recorded its amaxes
+        assert (fp8_model.fp8_head.fp8_state.amax_history != 0).any()
+
+
+@pytest.mark.parametrize("name", ["gpt2-124m", "8b"])
+def test_config_parameter_count_is_the_built_models(name):
+    """GPTConfig.num_params (used for MFU and the docs) equals the module's count, GQA and SwiGLU included (built
+    on the meta device: no memory)."""
+    config = GPT_CONFIGS[name]
+    assert GPT(config, device="meta").num_params() == config.num_params()

@@ -1,0 +1,243 @@
+"""The LM head fused with the cross-entropy: ``loss = mean_t CE(hidden[t] @ W.T, target[t])`` without the
+``[tokens, vocab]`` logits, their fp32 copy or their gradient ever existing whole.
+
+The tokens are cut into chunks of ``chunk_size`` rows. Per chunk, in forward (Liger-Kernel's
+``fused_linear_cross_entropy`` scheme, here in plain PyTorch):
+
+- fprop: ``z = h_c @ W.T`` ``[c, V]`` in the compute dtype, then in float32: ``m = max_v z``,
+  ``s = sum_v exp(z - m)``, ``loss_t = log s - (z[t, y_t] - m)`` (the log-sum-exp form of Megatron-core's
+  ``vocab_parallel_cross_entropy``);
+- the logits gradient ``dz = (softmax(z) - onehot(y)) / n_valid`` (float32, then the compute dtype);
+- dgrad: ``dh_c = dz @ W`` ``[c, h]``; wgrad: ``dW += dz.T @ h_c`` ``[V, h]`` (accumulated in float32).
+
+Backward then only multiplies ``dh`` and ``dW`` by the incoming scalar gradient. Peak extra memory: one chunk's
+logits (a few ``[c, V]`` float32 temporaries) plus ``dh`` and a float32 ``dW``; the unfused loss holds
+``[tokens, V]`` in the compute dtype and in float32, and their gradient.
+
+Vocabulary-parallel form (:mod:`fp8engine.parallel.lm_head_loss`): ``W`` is this rank's vocabulary shard starting at
+row ``vocab_start`` and a ``reduce(t, op)`` callback all-reduces the per-row max (``op="max"``) and the stacked
+(target logit, sum-exp) pair (``op="sum"``) over the tensor-parallel group; ``dh`` is then this shard's partial sum,
+reduced by the region mapping the caller put in front of ``hidden``. This file never talks to torch.distributed.
+
+The chunk loop has a fixed trip count for given shapes and no data-dependent shape or host synchronisation, so it
+runs under CUDA-graph capture and ``torch.compile`` (which unrolls it).
+
+:func:`lm_head_cross_entropy` also dispatches to the optional Triton libraries ``liger-kernel`` and
+``cut-cross-entropy`` (CUDA only; ``pip install fp8engine[lm-loss]``) and to the unfused reference.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["fused_linear_cross_entropy", "lm_head_cross_entropy", "default_chunk_size", "compute_dtype",
+           "LM_LOSS_BACKENDS", "IGNORE_INDEX"]
+
+#: Backends of :func:`lm_head_cross_entropy` (``GPTConfig.lm_loss``).
+LM_LOSS_BACKENDS = ("chunked", "liger", "cce", "unfused")
+#: Targets equal to this are left out of the loss and of the mean's count (torch's ``cross_entropy`` default).
+IGNORE_INDEX = -100
+#: Logit elements per chunk that :func:`default_chunk_size` aims for: 2**26 = 64 Mi, i.e. 256 MiB per float32
+#: ``[c, V]`` temporary. At GPT-2's vocabulary (50304) that is 1024 token rows (16 chunks of a 16 x 1024 batch),
+#: rows enough for the chunk GEMMs to stay large; at a byte vocabulary every batch is one chunk. Chosen by this
+#: arithmetic, not yet by a GPU sweep (issue 45 asks for one).
+_CHUNK_ELEMENTS = 2 ** 26
+#: Fewest rows per chunk (FP8/tensor-core friendly multiple of 16).
+_MIN_CHUNK_ROWS = 16
+#: cut-cross-entropy's gradient filter: None computes every logit's gradient (the same gradient as the other
+#: backends); the library's "high" skips softmax entries below bf16 resolution (faster, approximate).
+_CCE_FILTER_EPS = None
+
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def default_chunk_size(tokens: int, vocab: int) -> int:
+    """Token rows per chunk: the largest power of two with ``rows * vocab <= 2**26`` (at least 16), capped at
+    ``tokens``. ``vocab`` is the local (per-rank) vocabulary."""
+    rows = max(_MIN_CHUNK_ROWS, 1 << max(0, (_CHUNK_ELEMENTS // max(1, vocab)).bit_length() - 1))
+    return max(1, min(tokens, rows))
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The GEMMs' dtype, as ``F.linear(hidden, weight)`` would pick it: ``torch.autocast``'s dtype when autocast
+    is on for ``hidden``'s device, else ``hidden.dtype``.
+
+    Raises:
+        TypeError: outside autocast, ``hidden`` and ``weight`` of different dtypes (``F.linear`` raises too).
+    """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"LM head: hidden is {hidden.dtype} but the weight is {weight.dtype}; cast one of them or run "
+                        "under torch.autocast")
+    return hidden.dtype
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 GEMMs (the tests' reference precision)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk(h_c: torch.Tensor, w_c: torch.Tensor, t_c: torch.Tensor, vocab_start: int, ignore_index: int,
+           reduce: Optional[Reduce], grad_scale: Optional[torch.Tensor]):
+    """One chunk: ``(loss_rows [c] fp32, dz [c, V_local] in w_c.dtype or None)``. ``grad_scale``: ``1 / n_valid``
+    (0-d fp32 tensor) when the gradient is wanted, else None. (fp32 reads fp64 for float64 GEMMs.)"""
+    z = (h_c @ w_c.t()).to(_stats_dtype(w_c.dtype))              # fprop [c, V_local]; fp32 (a copy unless fp32)
+    part = z.shape[-1]
+    m = z.amax(dim=-1)
+    if reduce is not None:
+        m = reduce(m, "max")
+    z.sub_(m.unsqueeze(-1))
+    local = t_c - vocab_start
+    inside = (local >= 0) & (local < part)                        # ignore_index (< 0) is never inside
+    local = local.masked_fill(~inside, 0)
+    predicted = torch.gather(z, -1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+    exp = z.exp_()
+    sum_exp = exp.sum(dim=-1)
+    if reduce is not None:  # one SUM all-reduce for the target logit and the softmax denominator
+        predicted, sum_exp = reduce(torch.stack([predicted, sum_exp]), "sum")
+    valid = t_c != ignore_index
+    loss_rows = (sum_exp.log() - predicted).masked_fill(~valid, 0.0)
+    if grad_scale is None:
+        return loss_rows, None
+    dz = exp.div_(sum_exp.unsqueeze(-1))                          # softmax, in place
+    dz.scatter_add_(-1, local.unsqueeze(-1), -inside.to(dz.dtype).unsqueeze(-1))
+    dz.mul_((valid.to(dz.dtype) * grad_scale).unsqueeze(-1))
+    return loss_rows, dz.to(w_c.dtype)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Module docstring. Inputs: ``hidden [T, h]``, ``weight [V_local, h]``, ``target [T]``; returns the 0-d fp32
+    mean loss. fprop/dgrad/wgrad all run in forward; backward scales the saved ``dh``, ``dW``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, dtype, chunk_size, vocab_start, ignore_index, reduce, need_dh, need_dw):
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = hidden.to(dtype)
+            w = weight.to(dtype)
+            valid_count = (target != ignore_index).sum().to(_stats_dtype(dtype))
+            grad_scale = 1.0 / valid_count if (need_dh or need_dw) else None
+            dw = torch.zeros(w.shape, dtype=_stats_dtype(dtype), device=w.device) if need_dw else None
+            losses, dhs = [], []
+            for start in range(0, h.shape[0], chunk_size):
+                h_c, t_c = h[start:start + chunk_size], target[start:start + chunk_size]
+                loss_rows, dz = _chunk(h_c, w, t_c, vocab_start, ignore_index, reduce, grad_scale)
+                losses.append(loss_rows)
+                if need_dh:
+                    dhs.append(dz @ w)                            # dgrad [c, h]
+                if need_dw:
+                    if dz.dtype == dw.dtype:
+                        dw.addmm_(dz.t(), h_c)                    # wgrad [V_local, h]
+                    else:
+                        dw.add_(dz.t() @ h_c)
+            loss = torch.cat(losses).sum() / valid_count
+        ctx.save_for_backward(torch.cat(dhs).to(hidden.dtype) if need_dh else None,
+                              dw.to(weight.dtype) if need_dw else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dh, dw = ctx.saved_tensors
+        if dh is not None:
+            dh = dh * grad_loss.to(dh.dtype)
+        if dw is not None:
+            dw = dw * grad_loss.to(dw.dtype)
+        return dh, dw, None, None, None, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                               ignore_index: int = IGNORE_INDEX, chunk_size: Optional[int] = None,
+                               vocab_start: int = 0, reduce: Optional[Reduce] = None) -> torch.Tensor:
+    """Mean cross-entropy of the logits ``hidden @ weight.T`` over the tokens whose target is not ``ignore_index``,
+    computed chunk by chunk (module docstring); the same value and gradients as
+    ``F.cross_entropy(F.linear(hidden, weight).float(), target)`` up to float32 summation order.
+
+    Args:
+        hidden: ``[*, h]`` float32/bf16/fp16 (the final norm's output).
+        weight: ``[V_local, h]`` (the whole vocabulary, or with ``reduce`` this rank's shard). Under
+            ``torch.autocast`` both are cast to its dtype for the GEMMs (as ``F.linear``); the softmax statistics
+            are float32. Gradients come back in each input's dtype.
+        target: ``[*]`` int64 in ``[0, V)`` or ``ignore_index``.
+        ignore_index: targets left out of the sum and of the count (the count is a device tensor: no sync; all
+            targets ignored gives NaN, as torch).
+        chunk_size: token rows per chunk (default :func:`default_chunk_size`); need not divide the token count.
+        vocab_start: first vocabulary row of ``weight`` (``rank * V_local`` vocab-parallel).
+        reduce: ``reduce(t, op)`` returning ``t`` all-reduced with ``op`` ("max" or "sum") over the vocab shards,
+            or None (one shard). Supplied by :mod:`fp8engine.parallel.lm_head_loss`.
+    Returns:
+        0-d float32 mean loss (float64 for float64 GEMMs), identical on every rank of the group.
+    Raises:
+        ValueError: mismatched shapes or ``chunk_size < 1``. TypeError: as :func:`compute_dtype`.
+    """
+    if hidden.shape[-1] != weight.shape[-1] or hidden.shape[:-1] != target.shape:
+        raise ValueError(f"fused_linear_cross_entropy needs hidden [*, h], weight [V, h], target [*]; got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
+    hidden2d, target1d = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0])
+    elif chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    dtype = compute_dtype(hidden, weight)
+    grad = torch.is_grad_enabled()
+    return _FusedLinearCrossEntropy.apply(hidden2d, weight, target1d, dtype, chunk_size, vocab_start, ignore_index,
+                                          reduce, grad and hidden.requires_grad, grad and weight.requires_grad)
+
+
+def _unfused(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    logits = F.linear(hidden, weight)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
+                           ignore_index=ignore_index)
+
+
+def _library_loss(backend: str, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                  ignore_index: int) -> torch.Tensor:
+    """liger-kernel's or cut-cross-entropy's fused loss (Triton, CUDA only); both operands in the compute dtype."""
+    if hidden.device.type != "cuda":
+        raise RuntimeError(f"lm_loss={backend!r} runs Triton kernels on CUDA only; the hidden states are on "
+                           f"{hidden.device.type}: use lm_loss='chunked' (the plain-PyTorch fused loss)")
+    try:
+        if backend == "liger":
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as fn
+        else:
+            from cut_cross_entropy import linear_cross_entropy as fn
+    except ImportError as err:
+        package = "liger-kernel" if backend == "liger" else "cut-cross-entropy"
+        raise RuntimeError(f"lm_loss={backend!r} needs the {package} package ({err}); install it with "
+                           f"`pip install {package}` (or fp8engine[lm-loss]), or use lm_loss='chunked'") from err
+    dtype = compute_dtype(hidden, weight)
+    h, w, t = hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), target.reshape(-1)
+    with torch.autocast("cuda", enabled=False):
+        if backend == "liger":
+            return fn(h, w, t, ignore_index=ignore_index, reduction="mean").float()
+        return fn(h, w, t, ignore_index=ignore_index, reduction="mean", filter_eps=_CCE_FILTER_EPS).float()
+
+
+def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, backend: str = "chunked",
+                          *, ignore_index: int = IGNORE_INDEX, chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` (one rank, the whole vocabulary) by ``backend``:
+
+    - ``"chunked"``: :func:`fused_linear_cross_entropy` (plain PyTorch, any device, CUDA graphs, torch.compile);
+    - ``"liger"``: ``liger_kernel``'s ``liger_fused_linear_cross_entropy`` (Triton; its forward reads the valid
+      count with ``.item()``, a host sync: not CUDA-graph capturable);
+    - ``"cce"``: ``cut_cross_entropy.linear_cross_entropy`` (Apple's Cut Cross-Entropy, Triton), with every
+      gradient computed (``filter_eps=None``); its forward finds the valid tokens with ``nonzero()`` (a host sync
+      and a data-dependent shape: not CUDA-graph capturable either);
+    - ``"unfused"``: ``F.cross_entropy(F.linear(hidden, weight).float(), target)``, the reference.
+
+    Shapes as :func:`fused_linear_cross_entropy`; returns a 0-d float32 loss.
+
+    Raises:
+        ValueError: unknown ``backend`` (the message lists :data:`LM_LOSS_BACKENDS`).
+        RuntimeError: ``"liger"``/``"cce"`` on a non-CUDA tensor or with the package not installed (checked at each
+            call, before any work; the message names the fix). No silent fallback.
+    """
+    if backend == "chunked":
+        return fused_linear_cross_entropy(hidden, weight, target, ignore_index=ignore_index, chunk_size=chunk_size)
+    if backend == "unfused":
+        return _unfused(hidden, weight, target, ignore_index)
+    if backend in ("liger", "cce"):
+        return _library_loss(backend, hidden, weight, target, ignore_index)
+    raise ValueError(f"unknown LM loss backend {backend!r}; choose one of {', '.join(LM_LOSS_BACKENDS)}")
