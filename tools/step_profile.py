@@ -104,7 +104,7 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="step-profile-")
     ns = argparse.Namespace(batch_size=None, steps=args.warmup + args.steps, device="cuda", seq_len=None,
                             data=BT.random_gpt2_bins(tmp.name), no_guard=False, tp=args.tp,
-                            sequence_parallel=args.sequence_parallel, layout=layout)
+                            sequence_parallel=args.sequence_parallel, layout=layout, fsdp=False, lm_loss=None)
     run, model, step_model, optimizer = BT._setup(args.model, args.mode, ns)
     step_fn = T.make_step(run, model, step_model, optimizer, guard=True)
     for step in range(1, args.warmup + 1):
