@@ -3,7 +3,7 @@
 - 2 processes, fp32: the losses (and validation losses) of one process with the same global batch, within the
   DDP test's bound (rtol 1e-4, ``tests/test_train.py``: summation order only);
 - 2 processes, FP8 with dropout, stopped and resumed from the ``torch.distributed.checkpoint`` of the sharded
-  parameters and AdamW state: the losses of an uninterrupted run, exactly;
+  parameters and AdamW state (bf16 and FP8 weight all-gathers): the losses of an uninterrupted run, exactly;
 - 4 processes as FSDP 2 x tensor parallel 2 (sequence parallel): the one-process losses within the same bound;
 - one process with ``--fsdp``: exit 2 and one line.
 """
@@ -44,9 +44,10 @@ def test_fsdp_runs_match_one_process(tmp_path, text_file):
 
 
 @pytest.mark.slow
-def test_fsdp_resume_is_exact(tmp_path, text_file):
+@pytest.mark.parametrize("gather", [[], ["--fp8-all-gather"]], ids=["bf16-all-gather", "fp8-all-gather"])
+def test_fsdp_resume_is_exact(tmp_path, text_file, gather):
     common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--precision", "fp8", "--dropout", "0.1",
-              "--fsdp", *QUICK]
+              "--fsdp", *gather, *QUICK]
     _torchrun(2, *common, "--out", tmp_path / "full")
     _torchrun(2, *common, "--out", tmp_path / "split", "--stop-at", "3")
     _torchrun(2, *common, "--out", tmp_path / "split", "--resume")
@@ -63,13 +64,13 @@ def test_fsdp_needs_data_parallel_processes(text_file, capsys):
 
 @pytest.mark.slow
 def test_fp8_all_gather_trains_like_the_bf16_all_gather(tmp_path, text_file):
-    """FP8 weights all-gathered as FP8 bytes (the default of --fsdp under FP8) against --no-fp8-all-gather: the
+    """FP8 weights all-gathered as FP8 bytes (--fp8-all-gather) against the default bf16 all-gather: the
     GEMMs see the same FP8 weights; what differs is the weight amax delayed scaling records (that of the weight
     already on the FP8 grid, at most one FP8 step off), so the losses agree to well within FP8's 2-3 significant
     digits (measured: < 0.3 % over 6 steps; bound 1 %)."""
     common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--precision", "fp8", "--fsdp", *QUICK]
-    _torchrun(2, *common, "--out", tmp_path / "fp8")
-    _torchrun(2, *common, "--no-fp8-all-gather", "--out", tmp_path / "bf16")
+    _torchrun(2, *common, "--fp8-all-gather", "--out", tmp_path / "fp8")
+    _torchrun(2, *common, "--out", tmp_path / "bf16")
     fp8, bf16 = _losses(tmp_path / "fp8"), _losses(tmp_path / "bf16")
     assert fp8[0][1] == bf16[0][1]  # step 1: the same scales, the same FP8 weights, the same loss
     np.testing.assert_allclose([l for _, l, _ in fp8], [l for _, l, _ in bf16], rtol=1e-2)

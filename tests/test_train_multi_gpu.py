@@ -55,6 +55,6 @@ def test_fsdp_fp8_run_tracks_the_data_parallel_run(tmp_path):
     and the weight amaxes taken on the FP8 grid, so the losses agree to FP8's precision (bound 2 %), and the run
     says it is not graphed."""
     dp, _ = _torchrun(tmp_path / "dp", "--precision", "fp8", "--tp", "1")
-    fsdp, stdout = _torchrun(tmp_path / "fsdp", "--precision", "fp8", "--fsdp")
+    fsdp, stdout = _torchrun(tmp_path / "fsdp", "--precision", "fp8", "--fsdp", "--fp8-all-gather")
     assert "CUDA graphs: off (CUDA graphs are not used with --fsdp" in stdout
     np.testing.assert_allclose(fsdp, dp, rtol=2e-2)

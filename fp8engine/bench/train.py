@@ -13,7 +13,7 @@ one by one), ``fp8-delayed-graph`` and ``fp8-current-graph`` (the command's defa
 ``fp8-delayed-compile`` and ``fp8-current-compile`` (``--compile --no-cuda-graphs``: Inductor; its first steps,
 which compile, fall in the skipped warm-up), ``fp8-*-compile-graph`` (``--compile`` on CUDA: the compiled step
 captured in the command's CUDA graph), ``fp8-block`` and ``fp8-block-graph``; under ``--fsdp``
-``fp8-delayed-bf16-gather`` all-gathers the FP8 weights in bf16 (``fp8-delayed``: as FP8 bytes). Peers, the same GPT in plain
+``fp8-delayed-fp8-gather`` all-gathers the FP8 weights as FP8 bytes (``fp8-delayed``: in bf16). Peers, the same GPT in plain
 PyTorch (:mod:`fp8engine.bench.plain_gpt`): ``plain-bf16``, ``plain-bf16-compile`` and ``torchao-fp8-compile``
 (torchao.float8, with its FP8 all-gather under ``--fsdp``). Model FLOPs per token: ``6 N + 12 L h s`` (N =
 non-embedding parameters plus the tied LM head, L layers, h width, s context; the PaLM paper's appendix B
@@ -60,8 +60,8 @@ MODES = {
     "bf16-graph": ["--precision", "bf16"],
     "fp8-delayed": ["--precision", "fp8", "--recipe", "delayed", "--no-cuda-graphs"],
     "fp8-delayed-graph": ["--precision", "fp8", "--recipe", "delayed"],
-    "fp8-delayed-bf16-gather": ["--precision", "fp8", "--recipe", "delayed", "--no-cuda-graphs",
-                                "--no-fp8-all-gather"],
+    "fp8-delayed-fp8-gather": ["--precision", "fp8", "--recipe", "delayed", "--no-cuda-graphs",
+                               "--fp8-all-gather"],
     "fp8-delayed-layers": ["--precision", "fp8", "--recipe", "delayed", "--no-cuda-graphs", "--no-fused-layer"],
     "fp8-current": ["--precision", "fp8", "--recipe", "current", "--no-cuda-graphs"],
     "fp8-current-graph": ["--precision", "fp8", "--recipe", "current"],

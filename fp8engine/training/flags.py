@@ -109,9 +109,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="shard the data-parallel replicas' parameters, gradients and AdamW state with FSDP2 "
                         "(fully_shard per layer; composes with --tp as a 2-D mesh) instead of replicating them")
-    p.add_argument("--no-fp8-all-gather", dest="fp8_all_gather", action="store_false",
+    p.add_argument("--fp8-all-gather", action="store_true",
                    help="with --fsdp and --precision fp8 (delayed or current scaling): all-gather the FP8 GEMM "
-                        "weights in bf16 instead of as FP8 bytes (the default: half the all-gather bytes)")
+                        "weights as FP8 bytes (half the bytes of the default bf16 all-gather; slower on 2 and 4 "
+                        "NVLink H100s, docs/benchmarks.md)")
     p.add_argument("--out", help="directory for metrics.jsonl, checkpoint.pt and loss.png")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--sample-tokens", type=int, default=300, help="tokens to generate at the end (0: none)")
