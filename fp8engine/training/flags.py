@@ -111,8 +111,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "(fully_shard per layer; composes with --tp as a 2-D mesh) instead of replicating them")
     p.add_argument("--fp8-all-gather", action="store_true",
                    help="with --fsdp and --precision fp8 (delayed or current scaling): all-gather the FP8 GEMM "
-                        "weights as FP8 bytes (half the bytes of the default bf16 all-gather; slower on 2 and 4 "
-                        "NVLink H100s, docs/benchmarks.md)")
+                        "weights as FP8 bytes (half the bytes of the default bf16 all-gather; slower on 2 "
+                        "NVLink H100s for the 1b model, docs/benchmarks.md)")
     p.add_argument("--out", help="directory for metrics.jsonl, checkpoint.pt and loss.png")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--sample-tokens", type=int, default=300, help="tokens to generate at the end (0: none)")
