@@ -75,3 +75,24 @@ def test_layer_host_time_sections_runs_and_restores_the_wrapped_functions():
     assert "autocast exit (scale update)" in text
     after = (fused.norm_fwd, fused._FP8TransformerLayer.__dict__["forward"], TransformerLayer._fused_plan)
     assert all(a is b for a, b in zip(before, after))
+
+
+def test_step_profile_overlap_arithmetic():
+    """tools/step_profile.py's union and overlap of kernel intervals (us in, ms out), which report how much NCCL time
+    hides behind compute: overlapping, nested, touching and disjoint intervals, against a brute-force count."""
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("step_profile", TOOLS / "step_profile.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool._union_ms([(0, 1000), (500, 1500), (2000, 2500)]) == 2.0
+    assert tool._overlap_ms([(0, 1000), (2000, 3000)], [(500, 2500), (2600, 2700)]) == 1.1
+    assert tool._overlap_ms([(0, 10)], [(10, 20)]) == 0.0
+    rng = random.Random(0)
+    for _ in range(20):
+        a = [(s, s + rng.randint(1, 30)) for s in (rng.randint(0, 200) for _ in range(8))]
+        b = [(s, s + rng.randint(1, 30)) for s in (rng.randint(0, 200) for _ in range(8))]
+        covered = lambda iv, t: any(s <= t < e for s, e in iv)  # noqa: E731 -- per integer microsecond
+        want = sum(covered(a, t) and covered(b, t) for t in range(0, 240)) / 1e3
+        assert abs(tool._overlap_ms(a, b) - want) < 1e-12
