@@ -15,7 +15,9 @@ batches, AdamW settings and gradient clipping as the command's step; eager steps
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +91,8 @@ class PlainGPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:  # the command's step passes it; unused
         s = tokens.shape[1]
         x = self.embedding(tokens)
         cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
@@ -111,7 +114,7 @@ def build_peer(mode: str, config, device: torch.device, layout, fsdp: bool):
     if mode not in PEER_MODES:
         raise ValueError(f"unknown peer mode {mode!r}; choose from {', '.join(PEER_MODES)}")
     if layout.tp_size > 1:
-        raise ValueError("the plain PyTorch peers run one GPU, DDP-free data parallel with --fsdp, not --tp")
+        raise ValueError("the plain PyTorch peers run on one GPU, data parallel or with --fsdp; not with --tp")
     use_torchao, compile_blocks = PEER_MODES[mode]
     model = PlainGPT(config, device=device)
     after_step = None
@@ -123,8 +126,7 @@ def build_peer(mode: str, config, device: torch.device, layout, fsdp: bool):
         if fsdp:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-            def after_step():
-                precompute_float8_dynamic_scale_for_fsdp(model)
+            after_step = functools.partial(precompute_float8_dynamic_scale_for_fsdp, model)
     if compile_blocks:
         for layer in model.layers:
             layer.compile()

@@ -143,42 +143,30 @@ def _setup(model_name: str, mode: str, args: argparse.Namespace):
     return (run, *T._build(run))
 
 
-class _PeerStep:
-    """The command's eager step for a plain PyTorch peer (:mod:`fp8engine.bench.plain_gpt`): micro-batches under
-    ``torch.autocast(bf16)``, data-parallel gradient averaging (the command's averager; FSDP2's reduce-scatter
-    under ``--fsdp``), clipping to norm 1, AdamW, zeroed gradients, then the peer's ``after_step``."""
+def _peer_step(run, model, optimizer):
+    """The command's eager step (:class:`~fp8engine.training.step.TrainStep`) for a plain PyTorch peer
+    (:mod:`fp8engine.bench.plain_gpt`): micro-batches under ``torch.autocast(bf16)``, data-parallel gradient averaging
+    (the command's averager; FSDP2's reduce-scatter under ``--fsdp``), clipping to norm 1, AdamW, zeroed gradients,
+    then the peer's ``after_step`` (torchao's FSDP scale precompute); no non-finite guard."""
+    from fp8engine.parallel.data_parallel import GradientAverager
+    from fp8engine.training.distributed import clip_grad_norm
+    from fp8engine.training.step import TrainStep
 
-    found_inf = None
+    layout, params = run.layout, list(model.parameters())
+    averager = (GradientAverager(params, layout.dp_group, bucket_mb=100.0)
+                if layout.dp_size > 1 and not run.args.fsdp else None)
+    fsdp_group = layout.dp_group if run.args.fsdp else None
 
-    def __init__(self, run, model, optimizer):
-        from fp8engine.parallel.data_parallel import GradientAverager
+    class PeerStep(TrainStep):
+        def _step(self, xs, ys):
+            loss = super()._step(xs, ys)
+            if run.peer_after_step is not None:
+                run.peer_after_step()
+            return loss
 
-        self.run, self.model, self.optimizer = run, model, optimizer
-        self.params = list(model.parameters())
-        layout = run.layout
-        self.averager = (GradientAverager(self.params, layout.dp_group, bucket_mb=100.0)
-                         if layout.dp_size > 1 and not run.args.fsdp else None)
-        self.fsdp_group = layout.dp_group if run.args.fsdp else None
-
-    def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-        from fp8engine.training.distributed import clip_grad_norm
-
-        run = self.run
-        xs, ys = xs.to(run.device), ys.to(run.device)
-        total = torch.zeros((), device=run.device)
-        for micro in range(run.args.grad_accum):
-            with torch.autocast(run.device.type, dtype=torch.bfloat16):
-                loss = self.model(xs[micro], ys[micro])
-            (loss / run.args.grad_accum).backward()
-            total += loss.detach().float()
-        if self.averager is not None:
-            self.averager.finish()
-        clip_grad_norm(self.params, 1.0, None, self.fsdp_group)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if run.peer_after_step is not None:
-            run.peer_after_step()
-        return total / run.args.grad_accum
+    return PeerStep(model, params, optimizer, lambda: torch.autocast(run.device.type, dtype=torch.bfloat16),
+                    run.args.grad_accum, lambda ps: clip_grad_norm(ps, 1.0, None, fsdp_group), device=run.device,
+                    grad_averager=averager)
 
 
 def _timed_step(run, step_fn, optimizer, step: int) -> tuple[float, float]:
@@ -214,7 +202,7 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     from fp8engine.training.step import CUDAGraphStep
 
     run, model, step_model, optimizer = _setup(model_name, mode, args)
-    step_fn = (_PeerStep(run, model, optimizer) if mode in PEER_MODES
+    step_fn = (_peer_step(run, model, optimizer) if mode in PEER_MODES
                else T.make_step(run, model, step_model, optimizer, guard=not args.no_guard))
     tokens = run.args.batch_size * run.args.seq_len * run.layout.dp_size  # the global batch of one step
     peak_memory_gib(reset=True)
