@@ -21,14 +21,8 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["shard_model", "dp_mesh", "is_sharded", "local_tensor"]
-
-
-def dp_mesh(parallel_env) -> object:
-    """The 1-D ``dp`` sub-mesh of :func:`fp8engine.parallel.init_parallel`'s ``(dp, tp)`` mesh."""
-    return parallel_env.mesh["dp"]
+__all__ = ["shard_model", "is_sharded", "local_tensor"]
 
 
 def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module], *,
@@ -38,7 +32,7 @@ def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module],
 
     Args:
         model: the root module (its remaining parameters, e.g. embedding and final norm, form the root's group).
-        mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (:func:`dp_mesh`).
+        mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (``init_parallel(...).mesh["dp"]``).
         layers: the submodules that get their own all-gather / reduce-scatter group, in forward order.
         param_dtype: all-gather and compute dtype of the parameters (None: their own, e.g. fp32).
         reduce_dtype: gradient reduce-scatter dtype (None: ``param_dtype``).
@@ -84,11 +78,3 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a ``DTensor``; ``t`` itself otherwise."""
     return t.to_local() if is_sharded(t) else t
 
-
-def sharded_grad_sq_sum(grads: list[torch.Tensor], group) -> torch.Tensor:
-    """Sum of squares (fp32 device scalar) over the FSDP shards of ``grads`` held by ``group``'s ranks: each rank
-    sums its local shards, one SUM all-reduce over ``group`` adds the disjoint shards (no host synchronisation)."""
-    device = local_tensor(grads[0]).device
-    sq = sum((local_tensor(g).float().pow(2).sum() for g in grads), torch.zeros((), device=device))
-    dist.all_reduce(sq, group=group)
-    return sq
