@@ -22,6 +22,7 @@ The data is the bench's default: random GPT-2 token ids (vocabulary 50304).
 Usage: python tools/step_profile.py --model 1b --mode fp8-delayed [--warmup 4] [--steps 3] [--top 25]
        torchrun --nproc-per-node 2 tools/step_profile.py --model 1b --mode fp8-delayed-graph --tp 2 \
            --sequence-parallel --kernels
+       torchrun --nproc-per-node 2 tools/step_profile.py --model 1b --mode fp8-delayed --fsdp --kernels
 (modes as ``python -m fp8engine.bench train``: bf16, fp8-delayed, fp8-current, their -graph variants, ...)
 """
 import argparse
@@ -81,13 +82,14 @@ def _overlap_ms(a, b) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1b")
-    p.add_argument("--mode", default="fp8-delayed", choices=sorted(BT.MODES))
+    p.add_argument("--mode", default="fp8-delayed", choices=sorted([*BT.MODES, *BT.PEER_MODES]))
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--kernels", action="store_true", help="GPU kernel time per step by kernel name")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun")
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 over the data-parallel ranks (eager, as the command)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("step_profile: needs a CUDA GPU", file=sys.stderr)
@@ -104,9 +106,10 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="step-profile-")
     ns = argparse.Namespace(batch_size=None, steps=args.warmup + args.steps, device="cuda", seq_len=None,
                             data=BT.random_gpt2_bins(tmp.name), no_guard=False, tp=args.tp,
-                            sequence_parallel=args.sequence_parallel, layout=layout, fsdp=False, lm_loss=None)
+                            sequence_parallel=args.sequence_parallel, layout=layout, fsdp=args.fsdp, lm_loss=None)
     run, model, step_model, optimizer = BT._setup(args.model, args.mode, ns)
-    step_fn = T.make_step(run, model, step_model, optimizer, guard=True)
+    step_fn = (BT._peer_step(run, model, optimizer) if args.mode in BT.PEER_MODES
+               else T.make_step(run, model, step_model, optimizer, guard=True))
     for step in range(1, args.warmup + 1):
         BT._timed_step(run, step_fn, optimizer, step)
     torch.cuda.synchronize()

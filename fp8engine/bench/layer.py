@@ -199,6 +199,8 @@ def run_tp(args) -> list[dict]:
             ms = time_fn(step, warmup=3, iters=args.iters)
             rows.append({"impl": f"fp8engine TransformerLayer {name} tp={tp} sp" + (", CUDA graph" if graphed else ""),
                          "ms": ms, "TFLOP/s per GPU": flops / tp / ms / 1e9, "peak_GiB": peak_memory_gib()})
+            if local == 0:  # as it is measured: a run cut by a time limit still reports its rows
+                print(f"  {rows[-1]['impl']}: {ms:.3f} ms", flush=True)
     if get_group_rank(group) == 0:
         rows += [{"impl": r["gemm"], "ms": r["ms"], "TFLOP/s per GPU": r["TFLOP/s"]}
                  for r in gemm_rows(s, b, h, f, tp, "cuda", args.iters)]
