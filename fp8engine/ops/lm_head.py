@@ -10,6 +10,13 @@ The tokens are cut into chunks of ``chunk_size`` rows. Per chunk, in forward (Li
 - the logits gradient ``dz = (softmax(z) - onehot(y)) / n_valid`` (float32, then the compute dtype);
 - dgrad: ``dh_c = dz @ W`` ``[c, h]``; wgrad: ``dW += dz.T @ h_c`` ``[V, h]`` (accumulated in float32).
 
+Where :func:`~fp8engine.fp8.float8_tensor.use_kernels` holds (CUDA, eager or CUDA graph) the float32 steps run as
+two Triton kernels over the GEMM's 16-bit logits (:mod:`fp8engine.kernels.cross_entropy`: the row statistics in one
+read, the gradient written in place in one read and write: 6 bytes per logit where the plain chain moves ~54), the
+chunks are 4x larger (only the 16-bit logits are a ``[c, V]`` temporary) and the wgrad GEMM adds into the fp32
+``dW`` in its epilogue (``torch.addmm(..., out_dtype=torch.float32)``). Under ``torch.compile`` and on CPU the
+plain-PyTorch chunks run (Inductor fuses them itself).
+
 Backward then only multiplies ``dh`` and ``dW`` by the incoming scalar gradient. Peak extra memory: one chunk's
 logits (a few ``[c, V]`` float32 temporaries) plus ``dh`` and a float32 ``dW``; the unfused loss holds
 ``[tokens, V]`` in the compute dtype and in float32, and their gradient.
@@ -32,6 +39,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from fp8engine.fp8.float8_tensor import use_kernels
+
 __all__ = ["fused_linear_cross_entropy", "lm_head_cross_entropy", "default_chunk_size", "compute_dtype",
            "LM_LOSS_BACKENDS", "IGNORE_INDEX"]
 
@@ -44,6 +53,11 @@ IGNORE_INDEX = -100
 #: rows enough for the chunk GEMMs to stay large; at a byte vocabulary every batch is one chunk. Chosen by this
 #: arithmetic, not yet by a GPU sweep (issue 45 asks for one).
 _CHUNK_ELEMENTS = 2 ** 26
+#: The same with the Triton cross-entropy kernels, whose only ``[c, V]`` temporary is the GEMM's 16-bit output (its
+#: gradient is written in place): 2**28 = 512 MiB of bf16 logits, i.e. 4096 rows at GPT-2's vocabulary. Fewer,
+#: larger chunks make fewer passes of the fp32 weight-gradient accumulation (one read and write of ``[V, h]`` fp32
+#: per chunk) and larger GEMMs.
+_KERNEL_CHUNK_ELEMENTS = 2 ** 28
 #: Fewest rows per chunk (FP8/tensor-core friendly multiple of 16).
 _MIN_CHUNK_ROWS = 16
 #: cut-cross-entropy's gradient filter: None computes every logit's gradient (the same gradient as the other
@@ -51,12 +65,16 @@ _MIN_CHUNK_ROWS = 16
 _CCE_FILTER_EPS = None
 
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]
+#: GEMM dtypes whose chunks run the Triton cross-entropy kernels (where :func:`use_kernels` says so).
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def default_chunk_size(tokens: int, vocab: int) -> int:
-    """Token rows per chunk: the largest power of two with ``rows * vocab <= 2**26`` (at least 16), capped at
-    ``tokens``. ``vocab`` is the local (per-rank) vocabulary."""
-    rows = max(_MIN_CHUNK_ROWS, 1 << max(0, (_CHUNK_ELEMENTS // max(1, vocab)).bit_length() - 1))
+def default_chunk_size(tokens: int, vocab: int, kernels: bool = False) -> int:
+    """Token rows per chunk: the largest power of two with ``rows * vocab <= 2**26`` (``2**28`` with ``kernels``,
+    :data:`_KERNEL_CHUNK_ELEMENTS`), at least 16, capped at ``tokens``. ``vocab`` is the local (per-rank)
+    vocabulary."""
+    elements = _KERNEL_CHUNK_ELEMENTS if kernels else _CHUNK_ELEMENTS
+    rows = max(_MIN_CHUNK_ROWS, 1 << max(0, (elements // max(1, vocab)).bit_length() - 1))
     return max(1, min(tokens, rows))
 
 
@@ -85,7 +103,10 @@ def _chunk(h_c: torch.Tensor, w_c: torch.Tensor, t_c: torch.Tensor, vocab_start:
            reduce: Optional[Reduce], grad_scale: Optional[torch.Tensor]):
     """One chunk: ``(loss_rows [c] fp32, dz [c, V_local] in w_c.dtype or None)``. ``grad_scale``: ``1 / n_valid``
     (0-d fp32 tensor) when the gradient is wanted, else None. (fp32 reads fp64 for float64 GEMMs.)"""
-    z = (h_c @ w_c.t()).to(_stats_dtype(w_c.dtype))              # fprop [c, V_local]; fp32 (a copy unless fp32)
+    z = h_c @ w_c.t()                                             # fprop [c, V_local], compute dtype
+    if z.dtype in _KERNEL_DTYPES and use_kernels(z):
+        return _chunk_kernels(z, t_c, vocab_start, ignore_index, reduce, grad_scale)
+    z = z.to(_stats_dtype(w_c.dtype))                             # fp32 (a copy unless fp32)
     part = z.shape[-1]
     m = z.amax(dim=-1)
     if reduce is not None:
@@ -109,6 +130,61 @@ def _chunk(h_c: torch.Tensor, w_c: torch.Tensor, t_c: torch.Tensor, vocab_start:
     return loss_rows, dz.to(w_c.dtype)
 
 
+def _chunk_kernels(z: torch.Tensor, t_c: torch.Tensor, vocab_start: int, ignore_index: int,
+                   reduce: Optional[Reduce], grad_scale: Optional[torch.Tensor]):
+    """:func:`_chunk` after the GEMM, by the Triton kernels of :mod:`fp8engine.kernels.cross_entropy`: one read of
+    the logits for the row statistics, one read and write turning them into their gradient in place (the same
+    arithmetic, fp32 inside; the max, and so the order of the sums, is taken per lane before the row)."""
+    from fp8engine.kernels.cross_entropy import ce_grad_, ce_row_stats
+
+    m, sum_exp, predicted = ce_row_stats(z, t_c, vocab_start)    # raw target logit (not minus the max)
+    if reduce is not None:
+        global_m = reduce(m.clone(), "max")  # (the callback may all-reduce in place)
+        predicted, sum_exp = reduce(torch.stack([predicted, sum_exp * torch.exp(m - global_m)]), "sum")
+        m = global_m
+    valid = t_c != ignore_index
+    loss_rows = (sum_exp.log() + m - predicted).masked_fill(~valid, 0.0)
+    if grad_scale is None:
+        return loss_rows, None
+    row_scale = valid.to(torch.float32) * grad_scale
+    return loss_rows, ce_grad_(z, t_c, m.contiguous(), sum_exp.contiguous(), row_scale, vocab_start)
+
+
+#: Per CUDA device: whether ``torch.addmm(..., out_dtype=torch.float32, out=dw)`` adds a bf16/fp16 GEMM into an fp32
+#: ``dw`` in place (cuBLAS with an fp32 C and beta = 1; torch >= 2.9 on CUDA), found by one small call checked
+#: against the two-step sum.
+_ADDMM_FP32_OUT: dict = {}
+
+
+def _addmm_fp32_out_works(device: torch.device) -> bool:
+    ok = _ADDMM_FP32_OUT.get(device.index)
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # never probe inside a capture (the graph's warm-up steps probe first)
+        a = torch.randn(32, 16, device=device, dtype=torch.bfloat16)
+        b = torch.randn(16, 24, device=device, dtype=torch.bfloat16)
+        acc = torch.randn(32, 24, device=device)
+        want = acc + (a.float() @ b.float())
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            ok = bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
+        except (RuntimeError, TypeError):
+            ok = False
+        _ADDMM_FP32_OUT[device.index] = ok
+    return ok
+
+
+def _accumulate_wgrad(dw: torch.Tensor, dz: torch.Tensor, h_c: torch.Tensor) -> None:
+    """``dw += dz.T @ h_c`` (``dw [V, h]`` float32/64, ``dz``/``h_c`` in the compute dtype): in the GEMM's epilogue
+    on CUDA where :func:`_addmm_fp32_out_works`, else through a compute-dtype product (one more pass over ``dw``)."""
+    if dz.dtype == dw.dtype:
+        dw.addmm_(dz.t(), h_c)
+    elif dw.is_cuda and not torch.compiler.is_compiling() and _addmm_fp32_out_works(dw.device):
+        torch.addmm(dw, dz.t(), h_c, out_dtype=dw.dtype, out=dw)
+    else:
+        dw.add_(dz.t() @ h_c)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Module docstring. Inputs: ``hidden [T, h]``, ``weight [V_local, h]``, ``target [T]``; returns the 0-d fp32
     mean loss. fprop/dgrad/wgrad all run in forward; backward scales the saved ``dh``, ``dW``."""
@@ -121,21 +197,18 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             valid_count = (target != ignore_index).sum().to(_stats_dtype(dtype))
             grad_scale = 1.0 / valid_count if (need_dh or need_dw) else None
             dw = torch.zeros(w.shape, dtype=_stats_dtype(dtype), device=w.device) if need_dw else None
-            losses, dhs = [], []
+            dh = torch.empty(h.shape, dtype=dtype, device=h.device) if need_dh else None
+            losses = []
             for start in range(0, h.shape[0], chunk_size):
                 h_c, t_c = h[start:start + chunk_size], target[start:start + chunk_size]
                 loss_rows, dz = _chunk(h_c, w, t_c, vocab_start, ignore_index, reduce, grad_scale)
                 losses.append(loss_rows)
                 if need_dh:
-                    dhs.append(dz @ w)                            # dgrad [c, h]
+                    torch.mm(dz, w, out=dh[start:start + chunk_size])  # dgrad [c, h]
                 if need_dw:
-                    if dz.dtype == dw.dtype:
-                        dw.addmm_(dz.t(), h_c)                    # wgrad [V_local, h]
-                    else:
-                        dw.add_(dz.t() @ h_c)
+                    _accumulate_wgrad(dw, dz, h_c)                # wgrad [V_local, h]
             loss = torch.cat(losses).sum() / valid_count
-        ctx.save_for_backward(torch.cat(dhs).to(hidden.dtype) if need_dh else None,
-                              dw.to(weight.dtype) if need_dw else None)
+        ctx.save_for_backward(dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None)
         return loss
 
     @staticmethod
@@ -177,7 +250,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
     hidden2d, target1d = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     if chunk_size is None:
-        chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0])
+        kernels = compute_dtype(hidden, weight) in _KERNEL_DTYPES and use_kernels(hidden)
+        chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0], kernels)
     elif chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     dtype = compute_dtype(hidden, weight)

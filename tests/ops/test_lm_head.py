@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from fp8engine.ops.lm_head import (IGNORE_INDEX, LM_LOSS_BACKENDS, default_chunk_size, fused_linear_cross_entropy,
                                    lm_head_cross_entropy)
+from fp8engine.fp8.float8_tensor import kernels_forced
 from tests.conftest import sqnr
 
 T, H, V = 1151, 48, 97  # odd token count and vocabulary
@@ -85,6 +86,30 @@ def test_bf16_autocast_matches_bf16_reference():
         assert sqnr(ref64[i], got[i]) >= 30  # bf16 operands: ~40 dB per element, better summed
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_kernel_path_matches_the_plain_path(bf16):
+    """The chunks' statistics and logits gradient by the Triton kernels (what CUDA runs; interpreted here) against
+    the plain-PyTorch chunks and the float64 reference: fp32 within the plain path's bound; under bf16 autocast the
+    kernels round the logits gradient to bf16 once, as the plain path does (SQNR within 1 dB of it)."""
+    x, w, t = _inputs(tokens=301, ignore_every=7)
+    if bf16:
+        x = x.detach().bfloat16().requires_grad_()
+    ref64 = _reference(x, w, t)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        plain = _fused(x, w, t, chunk_size=64)
+        with kernels_forced():
+            got = _fused(x, w, t, chunk_size=64)
+    assert [g.dtype for g in got] == [g.dtype for g in plain]
+    if not bf16:
+        torch.testing.assert_close(got[0].double(), ref64[0], rtol=1e-6, atol=1e-6)
+        _close(got[1], ref64[1], 1e-5)
+        _close(got[2], ref64[2], 1e-5)
+        return
+    torch.testing.assert_close(got[0], plain[0], rtol=1e-5, atol=1e-5)  # fp32 statistics of the same bf16 logits
+    for i in (1, 2):
+        assert sqnr(ref64[i], got[i]) >= sqnr(ref64[i], plain[i]) - 1.0
+
+
 def test_only_the_needed_gradients_and_no_grad():
     x, w, t = _inputs(tokens=131)
     ref = _reference(x, w, t)
@@ -123,6 +148,7 @@ def test_default_chunk_size():
     assert default_chunk_size(16 * 1024, 128256) == 512
     assert default_chunk_size(16 * 128, 256) == 16 * 128  # byte vocabulary: one chunk
     assert default_chunk_size(3, 50304) == 3
+    assert default_chunk_size(16 * 1024, 50304, kernels=True) == 4096  # kernels: 2**28 bf16 logits per chunk
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
