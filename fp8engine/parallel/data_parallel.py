@@ -10,7 +10,7 @@ callback that finalises a backward), and a whole-step capture of it fails on thi
   which a transformer's backward produces their gradients, DDP's heuristic);
 - a post-accumulate-grad hook per parameter counts the gradients ready; when a bucket is complete (and every
   bucket before it has been launched, so all ranks launch in the same order) its gradients are copied into one
-  flat buffer, divided by the group size and SUM-all-reduced asynchronously: the communication overlaps with the
+  flat buffer and AVG-all-reduced asynchronously (NCCL; other backends divide by the group size and sum): the communication overlaps with the
   rest of the backward, as DDP's does;
 - :meth:`finish` (after the last backward of a step) launches any bucket a parameter without a gradient held
   back (its gradient counts as zeros, and receives the average), waits for every all-reduce and makes each
@@ -63,6 +63,9 @@ class GradientAverager:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive; got {bucket_mb}")
         self.group, self.world = group, dist.get_world_size(group)
+        # NCCL averages inside the all-reduce (ReduceOp.AVG, NCCL >= 2.10: a pre-multiplied sum); other backends
+        # (gloo) sum a bucket divided by the group size first: one more pass over the bucket.
+        self._avg = dist.get_backend(group) == "nccl"
         self.buckets: list[list[torch.nn.Parameter]] = []
         size, limit = 0, bucket_mb * 2 ** 20
         for p in reversed(params):
@@ -103,8 +106,11 @@ class GradientAverager:
         bucket = self.buckets[index]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(self.world)
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        if self._avg:
+            work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        else:
+            flat.div_(self.world)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._pending.append((index, flat, work))
 
     def finish(self) -> None:
