@@ -91,11 +91,11 @@ def test_kernel_path_matches_the_plain_path(bf16):
     """The chunks' statistics and logits gradient by the Triton kernels (what CUDA runs; interpreted here) against
     the plain-PyTorch chunks and the float64 reference: fp32 within the plain path's bound; under bf16 autocast the
     kernels round the logits gradient to bf16 once, as the plain path does (SQNR within 1 dB of it)."""
-    x, w, t = _inputs(tokens=301, ignore_every=7)
-    if bf16:
-        x = x.detach().bfloat16().requires_grad_()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU both calls run the compiled kernels
+    x, w, t = (a.detach().to(dev) for a in _inputs(tokens=301, ignore_every=7))
+    x, w = (x.bfloat16() if bf16 else x).requires_grad_(), w.requires_grad_()
     ref64 = _reference(x, w, t)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
         plain = _fused(x, w, t, chunk_size=64)
         with kernels_forced():
             got = _fused(x, w, t, chunk_size=64)
