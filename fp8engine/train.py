@@ -156,6 +156,11 @@ def prepare(args: argparse.Namespace) -> Run:
         raise UsageError(f"--fsdp shards over data-parallel processes: launch with torchrun and at least 2 "
                          f"processes per --tp group (world size {env_world_size()} / --tp {args.tp} < 2), or drop "
                          "--fsdp")
+    fsdp_only = [flag for flag, given in (("--fp8-all-gather", args.fp8_all_gather),
+                                          ("--no-fsdp-reshard-after-forward", not args.fsdp_reshard_after_forward),
+                                          ("--fsdp-reduce-dtype bf16", args.fsdp_reduce_dtype != "fp32")) if given]
+    if fsdp_only and not args.fsdp:
+        raise UsageError(f"{', '.join(fsdp_only)} only apply with --fsdp; add --fsdp or drop them")
     if args.precision == "fp8" and args.recipe == "block":
         check_block_run(args, config)
     if args.out is not None and not args.out.strip():
@@ -233,7 +238,9 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
         param_dtype = torch.bfloat16 if run.device.type == "cuda" and run.args.precision != "fp32" else None
         fp8_gather = (run.args.fp8_all_gather and run.args.precision == "fp8"
                       and run.args.recipe in ("delayed", "current"))
-        shard_model(model, layout.dp_mesh, model.layers, param_dtype=param_dtype, fp8_all_gather=fp8_gather)
+        reduce_dtype = torch.bfloat16 if run.args.fsdp_reduce_dtype == "bf16" else torch.float32
+        shard_model(model, layout.dp_mesh, model.layers, param_dtype=param_dtype, fp8_all_gather=fp8_gather,
+                    reduce_dtype=reduce_dtype, reshard_after_forward=run.args.fsdp_reshard_after_forward)
     optimizer = make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     if run.checkpoint is not None and layout.world_size > 1:
         run.checkpoint.update(load_sharded(run.checkpoint["dir"], layout, model, optimizer,

@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import gc
 import os
+import shlex
 import statistics
 import tempfile
 import time
@@ -129,6 +130,7 @@ def _setup(model_name: str, mode: str, args: argparse.Namespace):
         argv += ["--fsdp"]
     if args.lm_loss:
         argv += ["--lm-loss", args.lm_loss]
+    argv += shlex.split(getattr(args, "train_args", "") or "")
     run = T.prepare(T.build_parser().parse_args(argv))
     run.layout = args.layout
     if run.device.type == "cuda":
@@ -294,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the command's --lm-loss for every mode (default: the command's default, chunked)")
     p.add_argument("--fsdp", action="store_true", help="the data-parallel replicas shard with FSDP2 (the command's "
                                                        "--fsdp)")
+    p.add_argument("--train-args", default="", metavar="ARGS",
+                   help="more options of the training command for every mode, one string (e.g. "
+                        "\"--no-fsdp-reshard-after-forward --fsdp-reduce-dtype bf16\"); a bad one is a usage error")
     p.add_argument("--baseline", default="bf16", help="the mode the vs_base column divides by (default bf16)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--json", help="write the rows to this JSON file")

@@ -113,6 +113,15 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="with --fsdp and --precision fp8 (delayed or current scaling): all-gather the FP8 GEMM "
                         "weights as FP8 bytes (half the bytes of the default bf16 all-gather; slower on 2 "
                         "NVLink H100s for the 1b model, docs/benchmarks.md)")
+    p.add_argument("--fsdp-reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --fsdp: free each layer's gathered parameters after its forward and gather them "
+                        "again for its backward (ZeRO-3, the default); --no-fsdp-reshard-after-forward keeps them "
+                        "until the backward (one all-gather per layer and step instead of two; the gathered "
+                        "layers' memory held across the forward: torchtitan's reshard_after_forward=False)")
+    p.add_argument("--fsdp-reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="with --fsdp: dtype of the gradients' reduce-scatter (fp32: the replicas' average rounded "
+                        "once, as DDP's fp32 all-reduce; bf16: half the bytes, FSDP2's MixedPrecisionPolicy "
+                        "reduce_dtype)")
     p.add_argument("--out", help="directory for metrics.jsonl, checkpoint.pt and loss.png")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--sample-tokens", type=int, default=300, help="tokens to generate at the end (0: none)")

@@ -101,3 +101,19 @@ def test_plain_pytorch_peer_rows(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["bf16", "plain-bf16"] and all("error" not in r for r in rows)
     assert abs(rows[1]["loss_first"] - rows[0]["loss_first"]) < 1.0  # the same task at init, another init
+
+
+def test_train_args_reach_the_command(tmp_path, capsys):
+    """--train-args adds the training command's own options to every mode (here --dropout: the two rows' losses
+    differ only through it); a bad option is the command's usage error (exit 2)."""
+    common = ["--device", "cpu", "--models", "tiny", "--modes", "bf16", "--steps", "2", "--skip", "1", "--seq-len",
+              "16", "--batch-size", "2", "--vocab", "bytes"]
+    rows = []
+    for extra in ([], ["--train-args", "--dropout 0.5"]):
+        out = tmp_path / f"rows{len(rows)}.json"
+        assert main([*common, *extra, "--json", str(out)]) == 0
+        rows.append(json.loads(out.read_text())["rows"][0])
+    assert rows[0]["loss_first"] != rows[1]["loss_first"]
+    with pytest.raises(SystemExit) as exc:
+        main([*common, "--train-args", "--no-such-option"])
+    assert exc.value.code == 2
