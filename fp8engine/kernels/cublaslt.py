@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 from contextlib import nullcontext
 from typing import Optional
@@ -58,6 +59,11 @@ _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # MIN_ALIGNMENT_{A,B,C,D}_BYTES
 #: Largest workspace the heuristic may plan with: 32 MiB, an upper bound chosen here (the heuristic reports what
 #: the chosen algorithm needs, and each call allocates only that from torch's caching allocator).
 _MAX_WORKSPACE_BYTES = 32 * 1024 * 1024
+_DESC_SM_COUNT_TARGET = 15  # cublasLtMatmulDescAttributes_t, int32
+#: SMs the FP8 GEMMs leave free for kernels on other streams (NCCL's, overlapped with them): the GEMMs are planned
+#: for ``multi_processor_count - margin`` SMs (cuBLASLt's SM_COUNT_TARGET; TransformerEngine's NVTE_EXT_MARGIN_SM).
+#: ``FP8ENGINE_GEMM_SM_MARGIN`` (read at import), default 0: every SM.
+SM_MARGIN = int(os.environ.get("FP8ENGINE_GEMM_SM_MARGIN", "0") or 0)
 
 _FP8_CUDA_TYPE = {torch.float8_e4m3fn: _CUDA_R_8F_E4M3, torch.float8_e5m2: _CUDA_R_8F_E5M2}
 _OUT_CUDA_TYPE = {torch.float32: _CUDA_R_32F, torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
@@ -148,6 +154,9 @@ class _Plan:
         if epilogue == _EPILOGUE_GELU_AUX_BIAS:
             attrs += [(_DESC_EPILOGUE_AUX_DATA_TYPE, ctypes.c_int32(hp_type)),
                       (_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))]
+        if SM_MARGIN > 0:
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            attrs.append((_DESC_SM_COUNT_TARGET, ctypes.c_int32(max(1, sms - SM_MARGIN))))
         for attr, val in (*attrs, *extra_attrs):
             _check(lib.MatmulDescSetAttribute(self.desc, attr, ctypes.byref(val), ctypes.sizeof(val)),
                    "MatmulDescSetAttribute")

@@ -124,3 +124,17 @@ def test_gemm_declines_new_configurations_beyond_the_cap(monkeypatch):
     out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float16)  # torch._scaled_mm then
     ref = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=torch.float16)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@cuda
+def test_sm_margin_plans_for_fewer_sms_and_stays_correct(monkeypatch):
+    """FP8ENGINE_GEMM_SM_MARGIN (cublaslt.SM_MARGIN) plans the GEMMs for fewer SMs (SM_COUNT_TARGET): another
+    algorithm may be picked, so not the same bits, but the product of the same FP8 operands within fp32
+    accumulation-order rounding of the bf16 output (one bf16 ulp, 2**-8 relative)."""
+    monkeypatch.setattr(cublaslt, "SM_MARGIN", 20)
+    monkeypatch.setattr(cublaslt, "_context", None)  # fresh plans (a context caches its sites), restored after
+    a, b = _operand(1024, 512, E4M3, 0, 3.0), _operand(768, 512, E4M3, 1, 0.1)
+    out = cublaslt.gemm(a.data, a.scale_inv, b.data, b.scale_inv, BF16, None, False)
+    ref = a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()
+    assert out is not None
+    assert ((out.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-3).all()
