@@ -224,7 +224,11 @@ def test_fused_loss_matches_unfused(precision, monkeypatch):
     assert losses[0].dtype == torch.float32
     # fp32: ulps of the fp32 logits/statistics; bf16: the same bf16 logits, gradients through bf16 GEMMs
     # (8 mantissa bits, 4e-3 relative rounding) whose outputs the two paths round differently (measured 2.6e-3).
-    loss_tol, grad_rel = (1e-6, 1e-5) if precision == "fp32" else (1e-5, 1e-2)
+    # fp8: the head's input gradient, rounded differently in bf16, then enters the layers' E5M2 gradient casts (2
+    # mantissa bits: a value moved across a rounding boundary changes by up to 25 %), whose dgrads reach the tied
+    # embedding's rows: measured 2.8e-3 on the 2-core EPYC, 5.2e-2 on the H100 machine's CPU (its oneDNN bf16
+    # GEMMs round otherwise); bound 0.1 (a wrong scale or a missing chunk is off by O(1)).
+    loss_tol, grad_rel = {"fp32": (1e-6, 1e-5), "bf16": (1e-5, 1e-2), "fp8": (1e-5, 1e-1)}[precision]
     torch.testing.assert_close(losses[0], losses[1], rtol=loss_tol, atol=loss_tol)
     _assert_grads_close(grads[0], grads[1], grad_rel)
 
