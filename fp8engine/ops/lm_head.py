@@ -100,11 +100,12 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk(h_c: torch.Tensor, w_c: torch.Tensor, t_c: torch.Tensor, vocab_start: int, ignore_index: int,
-           reduce: Optional[Reduce], grad_scale: Optional[torch.Tensor]):
+           reduce: Optional[Reduce], grad_scale: Optional[torch.Tensor], kernels: bool):
     """One chunk: ``(loss_rows [c] fp32, dz [c, V_local] in w_c.dtype or None)``. ``grad_scale``: ``1 / n_valid``
-    (0-d fp32 tensor) when the gradient is wanted, else None. (fp32 reads fp64 for float64 GEMMs.)"""
+    (0-d fp32 tensor) when the gradient is wanted, else None. (fp32 reads fp64 for float64 GEMMs.) ``kernels``:
+    the Triton cross-entropy kernels after the GEMM, else the plain-PyTorch chain."""
     z = h_c @ w_c.t()                                             # fprop [c, V_local], compute dtype
-    if z.dtype in _KERNEL_DTYPES and use_kernels(z):
+    if kernels:
         return _chunk_kernels(z, t_c, vocab_start, ignore_index, reduce, grad_scale)
     z = z.to(_stats_dtype(w_c.dtype))                             # fp32 (a copy unless fp32)
     part = z.shape[-1]
@@ -192,7 +193,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     mean loss. fprop/dgrad/wgrad all run in forward; backward scales the saved ``dh``, ``dW``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, dtype, chunk_size, vocab_start, ignore_index, reduce, need_dh, need_dw):
+    def forward(ctx, hidden, weight, target, dtype, chunk_size, vocab_start, ignore_index, reduce, need_dh, need_dw,
+                kernels):
         with torch.autocast(hidden.device.type, enabled=False):
             h = hidden.to(dtype)
             w = weight.to(dtype)
@@ -202,7 +204,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             losses, dhs = [], []
             for start in range(0, h.shape[0], chunk_size):
                 h_c, t_c = h[start:start + chunk_size], target[start:start + chunk_size]
-                loss_rows, dz = _chunk(h_c, w, t_c, vocab_start, ignore_index, reduce, grad_scale)
+                loss_rows, dz = _chunk(h_c, w, t_c, vocab_start, ignore_index, reduce, grad_scale, kernels)
                 losses.append(loss_rows)
                 if need_dh:
                     dhs.append(dz @ w)                            # dgrad [c, h]
@@ -220,7 +222,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             dh = dh * grad_loss.to(dh.dtype)
         if dw is not None:
             dw = dw * grad_loss.to(dw.dtype)
-        return dh, dw, None, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
@@ -251,15 +253,16 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         raise ValueError(f"fused_linear_cross_entropy needs hidden [*, h], weight [V, h], target [*]; got "
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
     hidden2d, target1d = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    dtype = compute_dtype(hidden, weight)
+    kernels = dtype in _KERNEL_DTYPES and use_kernels(hidden)  # the backend of every chunk, chosen once
     if chunk_size is None:
-        kernels = compute_dtype(hidden, weight) in _KERNEL_DTYPES and use_kernels(hidden)
         chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0], kernels)
     elif chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    dtype = compute_dtype(hidden, weight)
     grad = torch.is_grad_enabled()
     return _FusedLinearCrossEntropy.apply(hidden2d, weight, target1d, dtype, chunk_size, vocab_start, ignore_index,
-                                          reduce, grad and hidden.requires_grad, grad and weight.requires_grad)
+                                          reduce, grad and hidden.requires_grad, grad and weight.requires_grad,
+                                          kernels)
 
 
 def _unfused(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
