@@ -103,29 +103,22 @@ def test_fp8_all_gather_equals_cast_then_gather(recipe):
 
 
 def _check_gathered_bytes(rank, world_size):
-    import importlib.util
-    from pathlib import Path
-
+    from fp8engine.bench.comm import fsdp_gather_bytes
     from fp8engine.parallel.fsdp_fp8 import fp8_weight_rows
 
-    path = Path(__file__).resolve().parents[2] / "tools" / "fsdp_gather_bytes.py"
-    spec = importlib.util.spec_from_file_location("fsdp_gather_bytes", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    tool._count_all_gathers()
-    bf16, _ = tool.gathered_bytes(_CONFIG, False, world_size)
-    fp8, _ = tool.gathered_bytes(_CONFIG, True, world_size)
+    bf16, _ = fsdp_gather_bytes(_CONFIG, False, torch.device("cpu"))
+    fp8, _ = fsdp_gather_bytes(_CONFIG, True, torch.device("cpu"))
     model = GPT(_CONFIG)
     fp8_ids = {id(getattr(module, name)) for module, name, _, _ in fp8_weight_rows(model)}
     # every parameter is gathered whole once per forward (no padding: every dim 0 divides by 2): 2 bytes per element
     # in bf16, 1 byte for the FP8 GEMM weights with --fp8-all-gather
-    numel = {i: p.numel() for i, p in ((id(p), p) for p in model.parameters())}
+    numel = {id(p): p.numel() for p in model.parameters()}
     assert bf16 == 2 * sum(numel.values())
     assert fp8 == sum(n if i in fp8_ids else 2 * n for i, n in numel.items())
     assert 0.5 < fp8 / bf16 < 0.6  # the GEMM weights are most of the bytes; embedding, norms, biases stay bf16
 
 
 def test_fp8_all_gather_moves_one_byte_per_gemm_weight_element():
-    """``tools/fsdp_gather_bytes.py``'s count on 2 gloo ranks: the bytes FSDP2 all-gathers in one forward are exactly
-    the dtype arithmetic (about 0.55x with the FP8 all-gather for this GPT; 0.540x for the 1b model)."""
+    """``python -m fp8engine.bench comm --fsdp-model``'s count on 2 gloo ranks: the bytes FSDP2 all-gathers in one
+    forward are exactly the dtype arithmetic (about 0.55x with the FP8 all-gather for this GPT; 0.540x for 1b)."""
     run_ranks(_check_gathered_bytes, 2)
