@@ -10,8 +10,8 @@ callback that finalises a backward), and a whole-step capture of it fails on thi
   which a transformer's backward produces their gradients, DDP's heuristic);
 - a post-accumulate-grad hook per parameter counts the gradients ready; when a bucket is complete (and every
   bucket before it has been launched, so all ranks launch in the same order) its gradients are copied into one
-  flat buffer and AVG-all-reduced asynchronously (NCCL; other backends divide by the group size and sum): the communication overlaps with the
-  rest of the backward, as DDP's does;
+  flat buffer and AVG-all-reduced asynchronously (NCCL; other backends divide by the group size and sum): the
+  communication overlaps with the rest of the backward, as DDP's does;
 - :meth:`finish` (after the last backward of a step) launches any bucket a parameter without a gradient held
   back (its gradient counts as zeros, and receives the average), waits for every all-reduce and makes each
   ``param.grad`` a view of the averaged buffer (no copy back).
