@@ -106,7 +106,8 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="step-profile-")
     ns = argparse.Namespace(batch_size=None, steps=args.warmup + args.steps, device="cuda", seq_len=None,
                             data=BT.random_gpt2_bins(tmp.name), no_guard=False, tp=args.tp,
-                            sequence_parallel=args.sequence_parallel, layout=layout, fsdp=args.fsdp, lm_loss=None)
+                            sequence_parallel=args.sequence_parallel, layout=layout, fsdp=args.fsdp, lm_loss=None,
+                            train_args="")
     run, model, step_model, optimizer = BT._setup(args.model, args.mode, ns)
     step_fn = (BT._peer_step(run, model, optimizer) if args.mode in BT.PEER_MODES
                else T.make_step(run, model, step_model, optimizer, guard=True))

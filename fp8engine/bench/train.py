@@ -130,7 +130,7 @@ def _setup(model_name: str, mode: str, args: argparse.Namespace):
         argv += ["--fsdp"]
     if args.lm_loss:
         argv += ["--lm-loss", args.lm_loss]
-    argv += shlex.split(getattr(args, "train_args", "") or "")
+    argv += shlex.split(args.train_args)
     run = T.prepare(T.build_parser().parse_args(argv))
     run.layout = args.layout
     if run.device.type == "cuda":

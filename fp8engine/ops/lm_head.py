@@ -10,12 +10,13 @@ The tokens are cut into chunks of ``chunk_size`` rows. Per chunk, in forward (Li
 - the logits gradient ``dz = (softmax(z) - onehot(y)) / n_valid`` (float32, then the compute dtype);
 - dgrad: ``dh_c = dz @ W`` ``[c, h]``; wgrad: ``dW += dz.T @ h_c`` ``[V, h]`` (accumulated in float32).
 
-Where :func:`~fp8engine.fp8.float8_tensor.use_kernels` holds (CUDA, eager or CUDA graph) the float32 steps run as
+The float32 steps are two functions of :mod:`fp8engine.kernels.cross_entropy` (row statistics, then the logits
+gradient). Where :func:`~fp8engine.fp8.float8_tensor.use_kernels` holds (CUDA, eager or CUDA graph) they run as
 two Triton kernels over the GEMM's 16-bit logits (:mod:`fp8engine.kernels.cross_entropy`: the row statistics in one
 read, the gradient written in place in one read and write: 6 bytes per logit where the plain chain moves ~54), the
 chunks are 4x larger (only the 16-bit logits are a ``[c, V]`` temporary) and the wgrad GEMM adds into the fp32
-``dW`` in its epilogue (``torch.addmm(..., out_dtype=torch.float32)``). Under ``torch.compile`` and on CPU the
-plain-PyTorch chunks run (Inductor fuses them itself).
+``dW`` in its epilogue (``torch.addmm(..., out_dtype=torch.float32)``). Under ``torch.compile`` and on CPU their
+plain-PyTorch references run (Inductor fuses them itself).
 
 Backward then only multiplies ``dh`` and ``dW`` by the incoming scalar gradient. Peak extra memory: one chunk's
 logits (a few ``[c, V]`` float32 temporaries) plus ``dh`` and a float32 ``dW``; the unfused loss holds
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.float8_tensor import use_kernels
+from fp8engine.kernels import cross_entropy as ce
 
 __all__ = ["fused_linear_cross_entropy", "lm_head_cross_entropy", "default_chunk_size", "compute_dtype",
            "LM_LOSS_BACKENDS", "IGNORE_INDEX"]
@@ -102,43 +104,17 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 def _chunk(h_c: torch.Tensor, w_c: torch.Tensor, t_c: torch.Tensor, vocab_start: int, ignore_index: int,
            reduce: Optional[Reduce], grad_scale: Optional[torch.Tensor], kernels: bool):
     """One chunk: ``(loss_rows [c] fp32, dz [c, V_local] in w_c.dtype or None)``. ``grad_scale``: ``1 / n_valid``
-    (0-d fp32 tensor) when the gradient is wanted, else None. (fp32 reads fp64 for float64 GEMMs.) ``kernels``:
-    the Triton cross-entropy kernels after the GEMM, else the plain-PyTorch chain."""
+    (0-d fp32 tensor) when the gradient is wanted, else None. (fp32 reads fp64 for float64 GEMMs.)
+
+    After the GEMM, two steps of :mod:`fp8engine.kernels.cross_entropy`: the row statistics (max, sum-exp, raw target
+    logit) and the logits gradient; ``kernels``: their Triton kernels (one read of the logits, then one read and an
+    in-place write), else their plain-PyTorch references (float32 temporaries; Inductor fuses them under
+    ``torch.compile``). Vocabulary-parallel, the shards' statistics are combined between the steps: global max,
+    each shard's sum-exp rescaled to it, target logits summed."""
+    row_stats, grad_ = (ce.ce_row_stats, ce.ce_grad_) if kernels else (ce.ce_row_stats_reference,
+                                                                      ce.ce_grad_reference)
     z = h_c @ w_c.t()                                             # fprop [c, V_local], compute dtype
-    if kernels:
-        return _chunk_kernels(z, t_c, vocab_start, ignore_index, reduce, grad_scale)
-    z = z.to(_stats_dtype(w_c.dtype))                             # fp32 (a copy unless fp32)
-    part = z.shape[-1]
-    m = z.amax(dim=-1)
-    if reduce is not None:
-        m = reduce(m, "max")
-    z.sub_(m.unsqueeze(-1))
-    local = t_c - vocab_start
-    inside = (local >= 0) & (local < part)                        # ignore_index (< 0) is never inside
-    local = local.masked_fill(~inside, 0)
-    predicted = torch.gather(z, -1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
-    exp = z.exp_()
-    sum_exp = exp.sum(dim=-1)
-    if reduce is not None:  # one SUM all-reduce for the target logit and the softmax denominator
-        predicted, sum_exp = reduce(torch.stack([predicted, sum_exp]), "sum")
-    valid = t_c != ignore_index
-    loss_rows = (sum_exp.log() - predicted).masked_fill(~valid, 0.0)
-    if grad_scale is None:
-        return loss_rows, None
-    dz = exp.div_(sum_exp.unsqueeze(-1))                          # softmax, in place
-    dz.scatter_add_(-1, local.unsqueeze(-1), -inside.to(dz.dtype).unsqueeze(-1))
-    dz.mul_((valid.to(dz.dtype) * grad_scale).unsqueeze(-1))
-    return loss_rows, dz.to(w_c.dtype)
-
-
-def _chunk_kernels(z: torch.Tensor, t_c: torch.Tensor, vocab_start: int, ignore_index: int,
-                   reduce: Optional[Reduce], grad_scale: Optional[torch.Tensor]):
-    """:func:`_chunk` after the GEMM, by the Triton kernels of :mod:`fp8engine.kernels.cross_entropy`: one read of
-    the logits for the row statistics, one read and write turning them into their gradient in place (the same
-    arithmetic, fp32 inside; the max, and so the order of the sums, is taken per lane before the row)."""
-    from fp8engine.kernels.cross_entropy import ce_grad_, ce_row_stats
-
-    m, sum_exp, predicted = ce_row_stats(z, t_c, vocab_start)    # raw target logit (not minus the max)
+    m, sum_exp, predicted = row_stats(z, t_c, vocab_start)
     if reduce is not None:
         global_m = reduce(m.clone(), "max")  # (the callback may all-reduce in place)
         predicted, sum_exp = reduce(torch.stack([predicted, sum_exp * torch.exp(m - global_m)]), "sum")
@@ -147,8 +123,8 @@ def _chunk_kernels(z: torch.Tensor, t_c: torch.Tensor, vocab_start: int, ignore_
     loss_rows = (sum_exp.log() + m - predicted).masked_fill(~valid, 0.0)
     if grad_scale is None:
         return loss_rows, None
-    row_scale = valid.to(torch.float32) * grad_scale
-    return loss_rows, ce_grad_(z, t_c, m.contiguous(), sum_exp.contiguous(), row_scale, vocab_start)
+    row_scale = valid.to(grad_scale.dtype) * grad_scale
+    return loss_rows, grad_(z, t_c, m.contiguous(), sum_exp.contiguous(), row_scale, vocab_start)
 
 
 #: Per CUDA device: whether ``torch.addmm(..., out_dtype=torch.float32, out=dw)`` adds a bf16/fp16 GEMM into an fp32
