@@ -1,7 +1,8 @@
 """fp8engine: FP8 mixed-precision training for PyTorch transformers, pure Python (Triton + torch._scaled_mm).
 
 Public API (TransformerEngine names): recipes, ``autocast``/``fp8_autocast``, ``Float8Tensor``/``quantize``,
-the FP8 ``Linear`` and layers, ``convert_to_fp8``, the FP8 health report ``fp8_stats`` /
+the FP8 ``Linear`` and layers, FP8 primary weights ``fp8_model_init`` (``quantized_model_init``; their optimizer:
+``fp8engine.training.master_weights.FP8MasterWeights``), ``convert_to_fp8``, the FP8 health report ``fp8_stats`` /
 ``fp8_stats_recording``; models in ``fp8engine.models``, tensor/sequence parallelism in
 ``fp8engine.parallel``, the Flax frontend in ``fp8engine.jax``.
 
@@ -30,6 +31,7 @@ _LAZY = {
     "LayerNormLinear": "fp8engine.modules.layernorm_linear", "LayerNormMLP": "fp8engine.modules.layernorm_mlp",
     "MultiheadAttention": "fp8engine.modules.attention", "TransformerLayer": "fp8engine.modules.transformer",
     "DotProductAttention": "fp8engine.modules.dot_product_attention",
+    "fp8_model_init": "fp8engine.modules.fp8_init", "quantized_model_init": "fp8engine.modules.fp8_init",
     "checkpoint": ("fp8engine.parallel.random", "te_checkpoint"),
     "fp8_stats": "fp8engine.fp8.stats", "fp8_stats_recording": "fp8engine.fp8.stats",
     "format_fp8_stats": "fp8engine.fp8.stats", "FP8StatsRow": "fp8engine.fp8.stats",

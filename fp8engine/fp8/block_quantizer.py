@@ -23,8 +23,8 @@ of :mod:`fp8engine.ops` run it without asking which recipe they serve. Where an 
 :mod:`fp8engine.kernels.block_norm`, ``.block_activation`` and ``.qkv_grad``); the per-tensor ``Quantizer`` has
 None there and the ops run their own fused kernels with its scale.
 
-Backend: :func:`fp8engine.fp8.float8_tensor.use_kernels` picks the Triton kernels (CUDA, or any device inside
-``kernels_forced()``) or the plain-PyTorch references; both write the same FP8 bits and scales.
+Backend: ``kernels``, chosen by whoever builds the quantizers (:func:`fp8engine.fp8.quantizer.get_quantizers`, once
+per call), runs the Triton kernels or the plain-PyTorch references; both write the same FP8 bits and scales.
 """
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 from fp8engine.fp8.block_tensor import BLOCK_128x128, TILE_1x128, Float8BlockTensor, quantize_block
 from fp8engine.fp8.dtypes import fp8_dtype_of
-from fp8engine.fp8.float8_tensor import use_kernels
 
 __all__ = ["BlockQuantizer", "block_quantizers_for", "BLOCK_DTYPES"]
 
@@ -65,8 +64,8 @@ class BlockQuantizer:
         block: ``(1, 128)`` (activations, gradients) or ``(128, 128)`` (weights).
         power_2_scale: the recipe's ``power_2_scale`` (power-of-two block scales).
         role: the role name (for messages).
-        use_kernel: None (default): :func:`~fp8engine.fp8.float8_tensor.use_kernels` decides per tensor; True /
-            False forces the Triton kernels / the plain-PyTorch reference (tests, ``ops.linear.block_linear``).
+        kernels: True runs the Triton kernels (the casts and the fused casts below), False (default) the
+            plain-PyTorch references.
         kind: ``"block"``. ``is_block``: True (the per-tensor ``Quantizer`` has False).
         delayed, scale, amax, stats: False / None / None / None, so per-tensor code that inspects a quantizer (e.g.
             the norm op's fused-cast test ``quantizer.delayed``) takes its unfused branch; ``record_amax`` is False
@@ -75,7 +74,7 @@ class BlockQuantizer:
         ValueError (constructor): ``block`` is not one of the two block shapes.
     """
 
-    __slots__ = ("fp8_dtype", "block", "power_2_scale", "role", "use_kernel")
+    __slots__ = ("fp8_dtype", "block", "power_2_scale", "role", "kernels")
     kind = "block"
     is_block = True
     delayed = False
@@ -85,15 +84,12 @@ class BlockQuantizer:
     record_amax = False
 
     def __init__(self, fp8_dtype: torch.dtype, block: tuple, power_2_scale: bool = True, role: str = "",
-                 use_kernel: Optional[bool] = None):
+                 kernels: bool = False):
         block = tuple(block)
         if block not in (TILE_1x128, BLOCK_128x128):
             raise ValueError(f"BlockQuantizer: block must be {TILE_1x128} or {BLOCK_128x128}, got {block}")
         self.fp8_dtype, self.block, self.power_2_scale, self.role = fp8_dtype, block, power_2_scale, role
-        self.use_kernel = use_kernel
-
-    def _kernels(self, x: torch.Tensor) -> bool:
-        return use_kernels(x) if self.use_kernel is None else self.use_kernel
+        self.kernels = kernels
 
     def quantize(self, x: torch.Tensor, *, transpose: bool = False,
                  amax: Optional[torch.Tensor] = None) -> Float8BlockTensor:
@@ -113,7 +109,7 @@ class BlockQuantizer:
         x2 = x.detach().reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         out = quantize_block(_pad_rows(x2) if self.block == TILE_1x128 else x2, self.fp8_dtype, self.block,
-                             power_2_scale=self.power_2_scale, transpose=transpose, use_kernel=self._kernels(x))
+                             power_2_scale=self.power_2_scale, transpose=transpose, use_kernel=self.kernels)
         q, q_t = out if transpose else (out, None)
         q.rows, q._t = rows, q_t
         return q
@@ -138,7 +134,7 @@ class BlockQuantizer:
             return self.quantize(dy, transpose=transpose), None
         dy2 = dy.reshape(-1, dy.shape[-1])
         q, q_t, db = quantize_block(_pad_rows(dy2), self.fp8_dtype, self.block, power_2_scale=self.power_2_scale,
-                                    transpose=transpose, use_kernel=self._kernels(dy), dbias=True)
+                                    transpose=transpose, use_kernel=self.kernels, dbias=True)
         q.rows, q._t = dy2.shape[0], q_t
         return q, db
 
@@ -159,7 +155,7 @@ class BlockQuantizer:
     def cast_act(self, h: torch.Tensor, kind: str, transpose: bool) -> Optional[Float8BlockTensor]:
         """``act(h)`` for a contiguous ``h [M, D]`` written only in FP8 by the activation kernel
         (:func:`fp8engine.kernels.block_activation.act_fwd_1x128`, rows padded), or None off the kernel path."""
-        if not self._kernels(h):
+        if not self.kernels:
             return None
         from fp8engine.kernels.block_activation import act_fwd_1x128
 
@@ -172,7 +168,7 @@ class BlockQuantizer:
         """``dh = da * act'(h)`` written only in FP8 by one kernel pass with its re-tiled transpose and column sums
         (:func:`fp8engine.kernels.block_activation.act_bwd_1x128`): ``(dh_fp8, dbias or None)``, or None off the
         kernel path."""
-        if not self._kernels(h):
+        if not self.kernels:
             return None
         from fp8engine.kernels.block_activation import act_bwd_1x128
 
@@ -185,7 +181,7 @@ class BlockQuantizer:
         applied in the gather when ``rope = (cos, sin)``; :func:`fp8engine.kernels.qkv_grad.qkv_grad_1x128`):
         ``(dy_fp8 [T, C], dbias or None)``, or None where that kernel does not run (the reference path, a None
         gradient, an fp16 gradient)."""
-        if dq is None or dk is None or dv is None or dq.dtype not in BLOCK_DTYPES or not self._kernels(dq):
+        if dq is None or dk is None or dv is None or dq.dtype not in BLOCK_DTYPES or not self.kernels:
             return None
         from fp8engine.kernels import qkv_grad as kq
 
@@ -200,13 +196,13 @@ class BlockQuantizer:
                 f"power_2_scale={self.power_2_scale})")
 
 
-def block_quantizers_for(recipe, n_roles: int, use_kernel: Optional[bool] = None) -> list:
+def block_quantizers_for(recipe, n_roles: int, kernels: bool = False) -> list:
     """``n_roles`` :class:`BlockQuantizer` objects for a scaling state under the ``Float8BlockScaling`` ``recipe``,
     by position as :class:`~fp8engine.fp8.quantizer.LinearQuantizers` groups them (rows ``3g, 3g+1, 3g+2`` =
     GEMM ``g``'s input, weight, grad_output): input 1 x 128 tiles in the forward format, weight 128 x 128 blocks in
-    the forward format, grad_output 1 x 128 tiles in the backward format."""
+    the forward format, grad_output 1 x 128 tiles in the backward format; ``kernels``: their backend."""
     fwd, bwd = fp8_dtype_of(recipe.fp8_format.fwd), fp8_dtype_of(recipe.fp8_format.bwd)
     # (fp8 dtype, block, role) of rows 3g, 3g+1, 3g+2
     per_gemm = ((fwd, TILE_1x128, "input"), (fwd, BLOCK_128x128, "weight"), (bwd, TILE_1x128, "grad_output"))
-    return [BlockQuantizer(*per_gemm[i % 3][:2], recipe.power_2_scale, per_gemm[i % 3][2], use_kernel)
+    return [BlockQuantizer(*per_gemm[i % 3][:2], recipe.power_2_scale, per_gemm[i % 3][2], kernels)
             for i in range(n_roles)]

@@ -35,18 +35,22 @@ class Float8Tensor:
         dtype: the logical high-precision dtype (what ``dequantize()`` returns by default).
         data_t: optional transposed copy ``[N, M]`` of ``data`` viewed as 2-D ``[M, N]`` (for the GEMMs that
             need the other layout: dgrad needs ``W^T``, wgrad needs ``X^T`` and ``dY^T``), or None.
+        kernels: the backend of this tensor's transpose and GEMMs, set by the op that wrote it from its quantizer's
+            (:attr:`fp8engine.fp8.quantizer.Quantizer.kernels`): True runs the Triton transpose and the cuBLASLt
+            GEMM calls, False ``torch`` ops (``torch._scaled_mm``).
     """
 
-    __slots__ = ("data", "scale_inv", "dtype", "_data_t")
+    __slots__ = ("data", "scale_inv", "dtype", "_data_t", "kernels")
 
     def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
-                 data_t: Optional[torch.Tensor] = None):
+                 data_t: Optional[torch.Tensor] = None, kernels: bool = False):
         if data.dtype not in FP8_DTYPES.values():
             raise TypeError(f"Float8Tensor data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
         self.data = data
         self.scale_inv = scale_inv
         self.dtype = dtype
         self._data_t = data_t
+        self.kernels = kernels
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -63,7 +67,7 @@ class Float8Tensor:
     def transpose_2d(self) -> torch.Tensor:
         """FP8 bits of the 2-D transpose ``[N, M]`` (made once, then kept)."""
         if self._data_t is None:
-            if use_kernels(self.data):
+            if self.kernels:
                 from fp8engine.kernels.cast import transpose_fp8
 
                 self._data_t = transpose_fp8(self.data.contiguous())
@@ -116,7 +120,9 @@ def use_kernels(x: torch.Tensor) -> bool:
     """The one backend predicate of the package: True when an op on ``x`` runs the Triton kernels (and cuBLASLt
     where it applies), False when it runs the plain-PyTorch reference. True for a CUDA tensor whose device can run
     the kernels (``kernels_available``, cached per device: the hot path pays a dict look-up), and for any tensor
-    inside :func:`kernels_forced`. Every dispatch point in ``fp8``, ``ops`` and ``parallel`` calls this function.
+    inside :func:`kernels_forced`. It is asked once where a call enters the FP8 code (:func:`get_quantizers
+    <fp8engine.fp8.quantizer.get_quantizers>`, whose quantizers and the FP8 tensors they write carry the answer as
+    ``kernels`` to every op, GEMM and transpose after them; the scale update; the fused LM loss; :func:`quantize`).
     Under ``torch.compile`` the torch path is taken (Dynamo does not trace into the Triton launchers or the ctypes
     cuBLASLt calls; Inductor generates the fused casts itself)."""
     if torch.compiler.is_compiling():
@@ -159,7 +165,7 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, *,
         from fp8engine.kernels.cast import cast_to_fp8
 
         data, data_t, scale_inv = cast_to_fp8(x.contiguous(), scale, fp8_dtype, amax_out, transpose=transpose)
-        return Float8Tensor(data, scale_inv, x.dtype, data_t)
+        return Float8Tensor(data, scale_inv, x.dtype, data_t, kernels=True)
     return quantize_torch(x, fp8_dtype, scale, amax_out, transpose)
 
 

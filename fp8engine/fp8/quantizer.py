@@ -14,8 +14,10 @@ Recipes (``kind``):
 - ``"block"`` (:class:`~fp8engine.recipe.Float8BlockScaling`): :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer`
   objects instead (1 x 128 / 128 x 128 block scales, just in time; nothing recorded), built and cached the same way.
 
-Backend: :func:`fp8engine.fp8.float8_tensor.use_kernels` picks the Triton kernels (CUDA) or the plain-PyTorch
-reference (CPU); both give the same FP8 bits for the same scale.
+Backend: :func:`get_quantizers` asks :func:`fp8engine.fp8.float8_tensor.use_kernels` once (the Triton kernels on
+CUDA, the plain-PyTorch reference on CPU and in ``torch.compile`` traces) and its quantizers carry the answer as
+``kernels``: the ops they are handed, and the FP8 tensors they write, run that backend without asking again. Both
+backends give the same FP8 bits for the same scale.
 """
 from __future__ import annotations
 
@@ -62,12 +64,16 @@ class Quantizer:
             while the state records, :func:`~fp8engine.fp8.stats.fp8_stats_recording`), or None: then a cast pays
             one attribute check and nothing else. Fused callers that write FP8 without :meth:`quantize` take their
             unfused path while it is set.
+        kernels: the backend of this quantizer's casts and of the ops it is handed: True the Triton kernels (and
+            cuBLASLt GEMMs for the FP8 tensors it writes), False the plain-PyTorch references (module docstring).
     """
 
-    __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed", "state", "row", "stats", "replay_key")
+    __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed", "state", "row", "stats", "replay_key",
+                 "kernels")
 
     def __init__(self, fp8_dtype: torch.dtype, kind: str, scale: Optional[torch.Tensor] = None,
-                 amax: Optional[torch.Tensor] = None, role: str = "", state=None, row: int = -1, stats=None):
+                 amax: Optional[torch.Tensor] = None, role: str = "", state=None, row: int = -1, stats=None,
+                 kernels: bool = False):
         if kind not in ("delayed", "current"):
             raise ValueError(f"Quantizer kind must be 'delayed' or 'current', got {kind!r}")
         if kind == "delayed" and scale is None:
@@ -77,6 +83,7 @@ class Quantizer:
         # delayed scaling: the ScalingState and row the views come from (torch.compile re-slices them in the trace)
         self.state, self.row = state, row
         self.stats = stats
+        self.kernels = kernels
         # what a replay key holds of ``scale`` and ``amax`` (fixed views for this object's life), computed once by
         # fp8engine.ops.layer
         self.replay_key = None
@@ -112,7 +119,7 @@ class Quantizer:
         ``amax`` (current scaling only): ``max |x|`` computed already (e.g. MAX-reduced across ranks), as a
         1-element tensor, float32 or x's dtype. Kernels: one cast(-transpose) pass (current scaling: an amax pass
         first)."""
-        if use_kernels(x):
+        if self.kernels:
             from fp8engine.kernels.cast import cast_to_fp8
 
             x = x.contiguous()
@@ -121,7 +128,7 @@ class Quantizer:
                                                   scale_from_amax=from_amax)
             if self.stats is not None:
                 self._record(x, data, scale, from_amax)
-            return Float8Tensor(data, scale_inv, x.dtype, data_t)
+            return Float8Tensor(data, scale_inv, x.dtype, data_t, kernels=True)
         if not self.delayed:
             if _cast_ops.compiled_kernel_ops(x) and self.stats is None:
                 return self._quantize_op(x, transpose, amax)
@@ -182,7 +189,7 @@ class Quantizer:
         Kernels: ``cast_transpose_dbias`` (one pass writing both layouts and the fp32-accumulated column sums)
         when ``dbias``, else ``cast_to_fp8``. Torch: :meth:`quantize` then ``dy.sum(0, dtype=float32)``; the two
         bias gradients differ only in summation order."""
-        if dbias and use_kernels(dy):
+        if dbias and self.kernels:
             from fp8engine.kernels.cast import cast_transpose_dbias
 
             dy = dy.contiguous()
@@ -191,7 +198,7 @@ class Quantizer:
                                                                scale_from_amax=from_amax)
             if self.stats is not None:
                 self._record(dy, data, scale, from_amax)
-            return Float8Tensor(data, scale_inv, dy.dtype, data_t), db
+            return Float8Tensor(data, scale_inv, dy.dtype, data_t, kernels=True), db
         if (dbias and _cast_ops.compiled_kernel_ops(dy) and self.stats is None
                 and (not self.delayed or self.state is not None)):
             dy = dy.contiguous()  # traced by torch.compile on CUDA: the kernel as a custom op
@@ -226,8 +233,9 @@ def _is_grad(role: str) -> bool:
     return role.endswith("grad") or role.endswith("grad_output")
 
 
-def _build(state, recipe, record_amax: bool, counters=None, fwd_scale: Optional[torch.Tensor] = None) -> tuple:
-    """Quantizers of every GEMM of ``state``; with ``counters`` (the state's
+def _build(state, recipe, record_amax: bool, kernels: bool, counters=None,
+           fwd_scale: Optional[torch.Tensor] = None) -> tuple:
+    """Quantizers of every GEMM of ``state``, running the backend ``kernels``; with ``counters`` (the state's
     :class:`~fp8engine.fp8.stats.StatsCounters` while it records) each role counts its casts, except forward roles
     of a recompute (``record_amax`` False: counted in the first forward). ``fwd_scale``: where the forward roles'
     scale views come from (default ``state.scale``; a compiled forward passes
@@ -236,7 +244,7 @@ def _build(state, recipe, record_amax: bool, counters=None, fwd_scale: Optional[
     if kind == "block":
         from fp8engine.fp8.block_quantizer import block_quantizers_for
 
-        qs = block_quantizers_for(recipe, len(state.roles))
+        qs = block_quantizers_for(recipe, len(state.roles), kernels)
         return tuple(LinearQuantizers(*qs[i:i + 3]) for i in range(0, len(qs) - len(qs) % 3, 3))
     fwd, bwd = fp8_dtype_of(recipe.fp8_format.fwd), fp8_dtype_of(recipe.fp8_format.bwd)
     qs = []
@@ -247,9 +255,9 @@ def _build(state, recipe, record_amax: bool, counters=None, fwd_scale: Optional[
         if kind == "delayed":
             amax = state.amax_history[i, 0:1] if (grad or record_amax) else None
             scale = state.scale if grad or fwd_scale is None else fwd_scale
-            qs.append(Quantizer(dtype, kind, scale[i:i + 1], amax, role, state, i, stats))
+            qs.append(Quantizer(dtype, kind, scale[i:i + 1], amax, role, state, i, stats, kernels))
         else:
-            qs.append(Quantizer(dtype, kind, role=role, stats=stats))
+            qs.append(Quantizer(dtype, kind, role=role, stats=stats, kernels=kernels))
     return tuple(LinearQuantizers(*qs[i:i + 3]) for i in range(0, len(qs) - len(qs) % 3, 3))
 
 
@@ -262,7 +270,9 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
     Built once per (recipe, ``ctx.record_amax``) and cached on ``state``; rebuilt when the state's buffers were
     replaced (``.to()``, a history resize), so the views always point at the live buffers. While the state
     records FP8 stats (:func:`~fp8engine.fp8.stats.fp8_stats_recording`, which swaps in a second cache) the
-    quantizers count their casts; traced (``torch.compile``) ones never do. Raises TypeError for a recipe without
+    quantizers count their casts; traced (``torch.compile``) ones never do. The backend (``kernels``) is chosen
+    here, once per call, by :func:`~fp8engine.fp8.float8_tensor.use_kernels` on the state's buffers (the module's
+    device). Raises TypeError for a recipe without
     quantizers (:func:`recipe_kind`)."""
     recipe = ctx.recipe
     delayed = isinstance(recipe, DelayedScaling)
@@ -277,26 +287,26 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
                 state.resize_history(recipe.amax_history_len)
                 state.history_from_graph = True
             ctx.register(state)
-            return _build(state, recipe, ctx.record_amax, fwd_scale=frozen_scale(state.scale))
-        return _build(state, recipe, ctx.record_amax)
+            return _build(state, recipe, ctx.record_amax, False, fwd_scale=frozen_scale(state.scale))
+        return _build(state, recipe, ctx.record_amax, False)
     if delayed:
         if state.amax_history.shape[1] != recipe.amax_history_len:
             state.resize_history(recipe.amax_history_len)
         ctx.register(state)
-    cache, record = state._quantizers, ctx.record_amax
+    cache, record, kernels = state._quantizers, ctx.record_amax, use_kernels(state.scale)
     # fast path, the steady state of training: the same recipe object as the last call (identity checks only;
     # hashing the recipe dataclass hashes all its fields)
     last = cache.get(None)
     if (last is not None and last[0] is recipe and last[1] is record and last[2] is state.scale
-            and last[3] is state.amax_history):
+            and last[3] is state.amax_history and last[5] is kernels):
         return last[4]
-    key = (recipe, record)
+    key = (recipe, record, kernels)
     hit = cache.get(key)
     if hit is None or hit[0] is not state.scale or hit[1] is not state.amax_history:
         if len(cache) >= _CACHE_SIZE:
             cache.clear()
         counters = state.stats_counters if state.stats_recording else None
-        hit = (state.scale, state.amax_history, _build(state, recipe, record, counters))
+        hit = (state.scale, state.amax_history, _build(state, recipe, record, kernels, counters))
         cache[key] = hit
-    cache[None] = (recipe, record, hit[0], hit[1], hit[2])
+    cache[None] = (recipe, record, hit[0], hit[1], hit[2], kernels)
     return hit[2]

@@ -34,6 +34,7 @@ from torch import nn
 
 from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.modules.attention import RotaryEmbedding
+from fp8engine.modules.fp8_init import fp8_model_init
 from fp8engine.modules.linear import Linear
 from fp8engine.modules.norm import LayerNorm, RMSNorm
 from fp8engine.modules.transformer import TransformerLayer
@@ -260,9 +261,10 @@ class GPT(nn.Module):
         for p in self.final_norm.parameters():  # replicated over tp; grads summed over tp when sequence parallel
             p.sequence_parallel = sequence_parallel
         self.fp8_head = None
-        if config.fp8_lm_head:  # no init (no RNG drawn): its weight is replaced by the embedding's
-            self.fp8_head = Linear(config.hidden_size, self.embedding.weight.shape[0], bias=False, params_dtype=dtype,
-                                   device=device, init_method=_no_init)
+        if config.fp8_lm_head:  # no init (no RNG drawn): its weight is replaced by the embedding's (so never FP8)
+            with fp8_model_init(enabled=False):
+                self.fp8_head = Linear(config.hidden_size, self.embedding.weight.shape[0], bias=False,
+                                       params_dtype=dtype, device=device, init_method=_no_init)
             self.fp8_head.weight = self.embedding.weight
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:

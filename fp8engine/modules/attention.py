@@ -22,7 +22,7 @@ from torch import nn
 from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.modules.dot_product_attention import ATTN_MASK_TYPES, attention, attn_mask_type_of
 from fp8engine.modules.layernorm_linear import (LayerNormLinear, check_choice, check_divisible, master_weight,
-                                                no_init, shard, tp_size_rank)
+                                                tp_size_rank)
 from fp8engine.modules.linear import Linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS
 from fp8engine.ops.rotary import rope_cos_sin, rope_fwd
@@ -152,7 +152,7 @@ class MultiheadAttention(nn.Module):
         if return_layernorm_output and not input_layernorm:
             raise ValueError(f"{name}: return_layernorm_output=True needs input_layernorm=True")
         self.rng_tracker, self.layer_number = rng_tracker, layer_number
-        tp_size, rank = tp_size_rank(tp_group if set_parallel_mode else None)
+        tp_size, _ = tp_size_rank(tp_group if set_parallel_mode else None)
         cfg = AttentionConfig(hidden_size, num_attention_heads, num_gqa_groups or num_attention_heads,
                               attn_mask_type_of(attn_mask_type, name), tp_size, kv_channels)
         self.config, self.attention_dropout, self.fuse_qkv_params = cfg, attention_dropout, fuse_qkv_params
@@ -173,14 +173,15 @@ class MultiheadAttention(nn.Module):
         else:
             self.qkv = qkv
         w, b = master_weight(hidden_size, n * d, bias, output_layer_init_method or init_method)
-        # row parallel under TP: [h, H d / tp] per rank, the bias added after the reduction (Linear's parallel_mode)
-        self.proj = Linear(n * d, hidden_size, bias=bias, params_dtype=params_dtype, device=device, init_method=no_init,
+        # row parallel under TP: [h, H d / tp] per rank, the bias added after the reduction (Linear's parallel_mode);
+        # the weight is set by the init method (Linear shards it), before fp8_model_init may turn it into FP8
+        self.proj = Linear(n * d, hidden_size, bias=bias, params_dtype=params_dtype, device=device,
+                           init_method=lambda weight: weight.copy_(w),
                            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                            parallel_mode="row" if group is not None else None, tp_group=group,
                            sequence_parallel=sequence_parallel)
-        with torch.no_grad():
-            self.proj.weight.copy_(shard(w, 1, [n * d], rank, tp_size))
-            if bias:
+        if bias:
+            with torch.no_grad():
                 self.proj.bias.copy_(b)
 
     def _project(self, hidden_states: torch.Tensor, **kw):

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from fp8engine.modules.fp8_init import fp8_init_config
 from fp8engine.modules.linear import Linear, autocast_input
 from fp8engine.ops.linear import fp8_linear
 
@@ -33,6 +34,14 @@ class Conv1DLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, params_dtype=None, device=None):
         super().__init__(in_features, out_features, bias=bias, params_dtype=params_dtype, device=device)
         self.weight = torch.nn.Parameter(self.weight.detach().t().contiguous())  # [K, N]
+
+    def _init_fp8_weights(self, names) -> None:
+        """Refuse :func:`fp8engine.fp8_model_init` (``TypeError``): the transposed ``[K, N]`` weight has no FP8
+        primary form here; build the layer outside the region (or inside ``fp8_model_init(enabled=False)``)."""
+        if fp8_init_config() is not None:
+            raise TypeError("Conv1DLinear keeps transformers' transposed [K, N] weight and cannot hold an FP8 primary "
+                            "weight; build it outside fp8_model_init (or under fp8_model_init(enabled=False))")
+        super()._init_fp8_weights(names)
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], quantizers, is_first_microbatch: Optional[bool],
                 comm=None):

@@ -18,12 +18,11 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
+from fp8engine.modules.fp8_init import fp8_init_config
 from fp8engine.ops.init import init_linear_params
-from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
 from fp8engine.ops.norm_linear import NORMALIZATIONS, norm, norm_cast
 from fp8engine.ops.qkv import fp8_linear_qkv, split_grouped_qkv
@@ -112,10 +111,6 @@ def new_param(t: torch.Tensor, dtype, device) -> nn.Parameter:
     return nn.Parameter(t.to(dtype=dtype, device=device).contiguous())
 
 
-def no_init(_weight: torch.Tensor) -> None:
-    """An ``init_method`` that leaves the weight alone (the caller copies a master slice in afterwards)."""
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The input norm and the outputs shared by LayerNormLinear and LayerNormMLP.
 # ---------------------------------------------------------------------------------------------------------------
@@ -167,7 +162,8 @@ class LayerNormLinear(FP8Module):
         params_dtype, device: of parameters and state. init_method: ``fn(weight)``, applied to the full
             ``[N, K]`` master weight on CPU (bias then zero); default ``torch.nn.Linear``'s initialisation.
         fuse_wgrad_accumulation: GEMM weight gradients go to an fp32 ``main_grad`` the user allocates on every
-            GEMM weight (``weight.grad`` stays None); norm parameters and biases keep ``.grad``.
+            GEMM weight (``weight.grad`` stays None); norm parameters and biases keep ``.grad``. Always on under
+            :func:`fp8engine.fp8_model_init` (FP8 ``weight`` with ``weight_scale_inv``).
         tp_group, parallel_mode: ``"column"`` with a group splits ``N`` over its ranks (local weight
             ``[N/tp, K]``); the input is all-gathered along the sequence (``sequence_parallel``, input
             ``[s/tp, b, K]``; in FP8 under FP8) or copied (input ``[s, b, K]``), the output is ``[s, b, N/tp]``;
@@ -177,8 +173,8 @@ class LayerNormLinear(FP8Module):
         row_order: internal (MultiheadAttention): a permutation applied to the master weight's rows before it
             is split and sharded, so differently laid-out layers draw the same values from the same seed.
     Raises:
-        ValueError: unknown normalization/parallel_mode, tp size not dividing a split, fused wgrad with a split
-            weight.
+        ValueError: unknown normalization/parallel_mode, tp size not dividing a split, fused wgrad or
+            ``fp8_model_init`` with a split weight.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -237,6 +233,11 @@ class LayerNormLinear(FP8Module):
                 self._bias_names.append(f"{prefix}bias")
         if not bias:
             self.bias = None
+        if len(self._weight_names) > 1 and fp8_init_config() is not None:
+            raise ValueError(f"{name}: fp8_model_init needs one weight parameter (FP8 weights with separate scales "
+                             "cannot be concatenated); drop parameters_split (fuse_qkv_params=True in "
+                             "MultiheadAttention)")
+        self._init_fp8_weights(self._weight_names)
 
     def _weight_bias(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if len(self._weight_names) == 1:
@@ -282,10 +283,7 @@ class LayerNormLinear(FP8Module):
                 out = fp8_linear(ln, weight, bias, q, w_fp8=w_fp8, x_fp8=ln_fp8, fuse_wgrad=fuse, comm=self._comm)
             return norm_module_outputs(self, out, ln, s, return_norm_input)
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
-        if fuse and torch.is_grad_enabled():
-            out = linear_main_grad(total, weight, bias)
-        else:
-            out = F.linear(total, weight, bias)
+        out = self.hp_linear(total, self._weight_names[0], weight, bias)
         if qkv_split is not None:
             out = split_grouped_qkv(out, *qkv_split, freqs=qkv_rope)
         return norm_module_outputs(self, out, ln, s, return_norm_input)

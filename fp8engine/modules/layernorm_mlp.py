@@ -7,13 +7,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
                                                 exit_row_parallel, input_norm, master_weight, new_param,
                                                 norm_module_outputs, shard, tp_comm, tp_size_rank)
-from fp8engine.ops.linear import linear_main_grad
 from fp8engine.ops.mlp import ACTIVATIONS, MLP_ROLES, _unfused_fp8_mlp, activation, fp8_mlp
 from fp8engine.ops.norm_linear import NORMALIZATIONS
 
@@ -44,7 +42,9 @@ class LayerNormMLP(FP8Module):
         params_dtype, device: of parameters and state.
         init_method, output_layer_init_method: ``fn(weight)`` for the full fc1 / fc2 master weights (built on CPU
             from the current RNG, then sliced per rank); default ``torch.nn.Linear``'s initialisation.
-        fuse_wgrad_accumulation: fc1/fc2 weight gradients go to fp32 ``main_grad`` (``.grad`` stays None).
+        fuse_wgrad_accumulation: fc1/fc2 weight gradients go to fp32 ``main_grad`` (``.grad`` stays None). Always
+            on under :func:`fp8engine.fp8_model_init` (FP8 ``fc1_weight`` / ``fc2_weight`` with their
+            ``*_scale_inv``).
         tp_group, set_parallel_mode: with both, fc1 is column-parallel (local ``[F/tp (x2 for swiglu), h]``, each
             rank keeps matching gate/up halves) and fc2 row-parallel (local ``[h, F/tp]``, bias added after the
             reduction). sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
@@ -99,6 +99,7 @@ class LayerNormMLP(FP8Module):
         for p in (self.layer_norm_weight, self.layer_norm_bias, self.fc2_bias):
             if p is not None:
                 p.sequence_parallel = self.sequence_parallel
+        self._init_fp8_weights(("fc1_weight", "fc2_weight"))
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
                 residual: Optional[torch.Tensor] = None, return_norm_input: bool = False):
@@ -117,17 +118,12 @@ class LayerNormMLP(FP8Module):
         # Row-parallel fc2 adds its bias after the reduction; unsharded, the GEMM adds it.
         fc2_bias = self.fc2_bias if self.tp_group is None else None
         ln, _, s = input_norm(self, x, None, residual)
-        h = self._hp_linear(enter_column_parallel(ln, self.tp_group, self.sequence_parallel), self.fc1_weight,
-                            self.fc1_bias)
-        y = self._hp_linear(activation(h, self.activation), self.fc2_weight, fc2_bias)
+        h = self.hp_linear(enter_column_parallel(ln, self.tp_group, self.sequence_parallel), "fc1_weight",
+                           self.fc1_weight, self.fc1_bias)
+        y = self.hp_linear(activation(h, self.activation), "fc2_weight", self.fc2_weight, fc2_bias)
         if self.tp_group is not None:
             y = exit_row_parallel(y, self.fc2_bias, self.tp_group, self.sequence_parallel)
         return norm_module_outputs(self, y, ln, s, return_norm_input)
-
-    def _hp_linear(self, x, weight, bias):
-        if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
-            return linear_main_grad(x, weight, bias)
-        return F.linear(x, weight, bias)
 
     def _fp8_forward(self, x, quantizers, is_first_microbatch, residual):
         """FP8: the MLP op with fc1's and fc2's communication (fc2's bias added after its reduction)."""

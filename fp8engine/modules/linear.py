@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
@@ -12,7 +11,7 @@ from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, e
                                                 exit_row_parallel, master_weight, new_param, shard, tp_comm,
                                                 tp_size_rank)
 from fp8engine.ops.init import default_init
-from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear, linear_main_grad
+from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
 
 __all__ = ["Linear", "default_init", "autocast_input", "check_fp8_input", "FP8_INPUT_DTYPES"]
 
@@ -48,7 +47,8 @@ class Linear(FP8Module):
             Megatron); default ``torch.nn.Linear``'s initialisation.
         fuse_wgrad_accumulation: weight gradients are added to an fp32 ``weight.main_grad`` that the user
             allocates; ``weight.grad`` stays None. Under FP8 on CUDA the wgrad GEMM accumulates into
-            ``main_grad`` itself (cuBLASLt, beta = 1; ``fp8engine.ops.gemm.fp8_mm_accumulate``).
+            ``main_grad`` itself (cuBLASLt, beta = 1; ``fp8engine.ops.gemm.fp8_mm_accumulate``). Always on for a
+            layer built under :func:`fp8engine.fp8_model_init` (its ``weight`` is then FP8, with ``weight_scale_inv``).
         return_bias: forward returns ``(y, bias)`` with the bias NOT added (TransformerEngine's argument, for a later
             fused bias-dropout-add); ``bias`` is None without one.
         parallel_mode, tp_group, sequence_parallel: tensor parallelism over ``tp_group`` (TransformerEngine's
@@ -98,16 +98,16 @@ class Linear(FP8Module):
                     init_method(self.weight)
                     if self.bias is not None:
                         self.bias.zero_()
-            return
-        # tensor parallel: every rank draws the full master weight (same seed) and keeps its slice
-        w, b = master_weight(out_features, in_features, bias, init_method)
-        column = self.parallel_mode == "column"
-        self.weight = new_param(shard(w, 0 if column else 1, [w.shape[0 if column else 1]], rank, tp_size), dtype,
-                                device)
-        self.bias = None
-        if bias:
-            self.bias = new_param(shard(b, 0, [out_features], rank, tp_size) if column else b, dtype, device)
-            self.bias.sequence_parallel = self.sequence_parallel and not column  # partial grads per shard
+        else:  # tensor parallel: every rank draws the full master weight (same seed) and keeps its slice
+            w, b = master_weight(out_features, in_features, bias, init_method)
+            column = self.parallel_mode == "column"
+            self.weight = new_param(shard(w, 0 if column else 1, [w.shape[0 if column else 1]], rank, tp_size), dtype,
+                                    device)
+            self.bias = None
+            if bias:
+                self.bias = new_param(shard(b, 0, [out_features], rank, tp_size) if column else b, dtype, device)
+                self.bias.sequence_parallel = self.sequence_parallel and not column  # partial grads per shard
+        self._init_fp8_weights(("weight",))
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``x``: ``[*, in_features]`` -> ``[*, out_features]`` (``(y, bias)`` with ``return_bias``; shapes per rank
@@ -132,9 +132,7 @@ class Linear(FP8Module):
         tensor-parallel communication (a :class:`~fp8engine.ops.comm.LinearComm`; ignored by the high-precision
         path, whose caller communicates around it)."""
         if quantizers is None:
-            if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
-                return linear_main_grad(x, self.weight, bias)
-            return F.linear(x, self.weight, bias)
+            return self.hp_linear(x, "weight", self.weight, bias)
         x = autocast_input(x)
         q = quantizers[0]
         w_fp8 = self.fp8_weight("weight", self.weight, q.weight, is_first_microbatch)

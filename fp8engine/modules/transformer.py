@@ -58,8 +58,9 @@ class TransformerLayer(nn.Module):
             (:mod:`fp8engine.ops.layer`: the same kernels and GEMMs, a fraction of the host time) where it applies
             (no tensor parallelism, fused QKV weight, mask type ``"causal"`` or ``"no_mask"``, neither
             ``apply_residual_connection_post_layernorm`` nor ``output_layernorm``, no
-            ``checkpoint_core_attention``, not traced by ``torch.compile``; otherwise the sublayers run one by one,
-            as with ``fused=False``).
+            ``checkpoint_core_attention``, not traced by ``torch.compile``, no FP8 primary weights
+            (:func:`fp8engine.fp8_model_init`: the fused step casts the weights itself and returns its bias
+            gradients in the weights' dtype); otherwise the sublayers run one by one, as with ``fused=False``).
         layer_type: ``"encoder"`` (the only one: self-attention + MLP; the mask comes from ``self_attn_mask_type``,
             causal by default, as in TE). TE's ``"decoder"`` adds a cross-attention block over ``encoder_output``,
             which is not implemented (``ValueError``).
@@ -127,7 +128,8 @@ class TransformerLayer(nn.Module):
         # comes from the tracker's per-rank state (as in Megatron), not from the default generator shared by all.
         self._sp_rng = rng_tracker if sequence_parallel and set_parallel_mode else None
         self.fused = fused
-        self._fusable = not (post_ln or output_layernorm)  # what the fused step implements (ops.layer)
+        fp8_weights = self.self_attention.proj.fp8_primary_weights() or self.layernorm_mlp.fp8_primary_weights()
+        self._fusable = not (post_ln or output_layernorm or fp8_weights)  # what the fused step implements (ops.layer)
 
     def _dropout(self, branch: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.kernels import cublaslt
 
 __all__ = ["fp8_gemm", "fp8_fprop", "fp8_gemm_bias_gelu", "fp8_mm", "fp8_mm_accumulate", "check_gemm_dims"]
@@ -53,7 +53,7 @@ def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
            out_dtype: torch.dtype, *, bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False,
-           pad_inner: bool = False) -> torch.Tensor:
+           pad_inner: bool = False, kernels: bool = False) -> torch.Tensor:
     """``(a * a_scale_inv) @ (b * b_scale_inv).T`` in FP8 tensor cores, result in ``out_dtype``.
 
     Args:
@@ -63,6 +63,8 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
         bias: optional ``[N]``, added in the GEMM epilogue when its dtype is ``out_dtype`` (bf16/fp16), else after.
         use_fast_accum: cuBLASLt fast accumulation (TransformerEngine uses it for fprop only).
         pad_inner: zero-pad K up to a multiple of 16 (used for wgrad, where K is the token count).
+        kernels: the operands' backend (``Float8Tensor.kernels``): True calls cuBLASLt directly on CUDA (planned
+            once per configuration; ``FP8ENGINE_CUBLASLT_GEMM=0`` turns it off), False ``torch._scaled_mm``.
     Raises:
         TypeError: non-FP8 operands, or E5M2 x E5M2.
         ValueError: K or N not a multiple of 16 (and ``pad_inner`` not set for K).
@@ -82,7 +84,7 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
         raise ValueError(f"FP8 GEMM output dim N={n} is not a multiple of 16; pad the feature dim to a multiple of 16")
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
     out = None
-    if CUBLASLT_GEMM and a.is_cuda and use_kernels(a):  # eager CUDA: torch._scaled_mm's cuBLASLt call, planned once
+    if kernels and CUBLASLT_GEMM and a.is_cuda:  # eager CUDA: torch._scaled_mm's cuBLASLt call, planned once
         out = cublaslt.gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias if fused_bias else None, use_fast_accum)
     if out is None:  # CPU, compiled code, or a configuration the direct call declined
         # 1-element scales go in as they are: _scaled_mm takes numel() == 1 as tensor-wise scaling (a reshape to
@@ -95,11 +97,11 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
 
 
 def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
-                      out: torch.Tensor, *, pad_inner: bool = False) -> None:
+                      out: torch.Tensor, *, pad_inner: bool = False, kernels: bool = False) -> None:
     """``out += (a * a_scale_inv) @ (b * b_scale_inv).T`` into a float32 ``out [M, N]`` (``fuse_wgrad_accumulation``).
 
-    On CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1, :mod:`fp8engine.kernels.cublaslt`). On
-    CPU, or when ``out`` is not contiguous or an operand is not 16-byte aligned (cuBLASLt's FP8 kernels refuse a
+    With ``kernels`` on CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1,
+    :mod:`fp8engine.kernels.cublaslt`). Without, on CPU, or when ``out`` is not contiguous or an operand is not 16-byte aligned (cuBLASLt's FP8 kernels refuse a
     4-byte-aligned output: status 15), it is :func:`fp8_mm` into float32 plus ``out.add_``. Both add the same fp32
     GEMM result to ``out`` (bit-identical on H200 in ``tests/ops/test_gemm_accumulate.py``, up to the algorithm
     cuBLASLt picks). Code traced by ``torch.compile`` on CUDA calls the custom op
@@ -113,24 +115,24 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
         raise TypeError(f"fp8_mm_accumulate accumulates into float32, got out of dtype {out.dtype}")
     if tuple(out.shape) != (a.shape[0], b.shape[0]):
         raise ValueError(f"fp8_mm_accumulate: out must be [M, N] = {(a.shape[0], b.shape[0])}, got {tuple(out.shape)}")
-    if use_kernels(out) and out.is_cuda and out.is_contiguous() and cublaslt.available():
+    if kernels and out.is_cuda and out.is_contiguous() and cublaslt.available():
         if pad_inner and a.shape[1] % _ALIGN:
             a, b = _pad_last(a, _ALIGN), _pad_last(b, _ALIGN)
         a, b = a.contiguous(), b.contiguous()
         if all(t.data_ptr() % 16 == 0 for t in (a, b, out)):  # cuBLASLt checks dtypes and shapes
             cublaslt.scaled_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out)
             return
-    out.add_(fp8_mm(a, a_scale_inv, b, b_scale_inv, torch.float32, pad_inner=pad_inner))
+    out.add_(fp8_mm(a, a_scale_inv, b, b_scale_inv, torch.float32, pad_inner=pad_inner, kernels=kernels))
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, bias=None, use_fast_accum=False,
              transpose_a: bool = False, transpose_b: bool = False, pad_inner: bool = False) -> torch.Tensor:
     """:func:`fp8_mm` on :class:`Float8Tensor` operands viewed as 2-D; ``transpose_a``/``transpose_b`` take their
-    transposed FP8 copies (``Float8Tensor.transpose_2d``)."""
+    transposed FP8 copies (``Float8Tensor.transpose_2d``); the backend is ``a``'s (``Float8Tensor.kernels``)."""
     a_data = a.transpose_2d() if transpose_a else _as_2d(a.data)
     b_data = b.transpose_2d() if transpose_b else _as_2d(b.data)
     return fp8_mm(a_data, a.scale_inv, b_data, b.scale_inv, out_dtype, bias=bias, use_fast_accum=use_fast_accum,
-                  pad_inner=pad_inner)
+                  pad_inner=pad_inner, kernels=a.kernels)
 
 
 def fp8_fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype,
@@ -151,7 +153,8 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     max-accumulated with ``max |gelu(h)|``. Returns ``(h [M, N] in out_dtype, gelu(h) as Float8Tensor [M, N])``,
     or None where this path cannot run -- CPU, no cuBLASLt, ``out_dtype`` not bf16/fp16, a non-contiguous or not
     16-byte aligned operand, dims not multiples of 16, or a GPU whose cuBLASLt has no such kernel -- and the caller
-    runs :func:`fp8_gemm` plus the activation kernel instead (also for M = 0).
+    runs :func:`fp8_gemm` plus the activation kernel instead (also for M = 0). Callers on the kernel backend call
+    it (``Quantizer.kernels``).
 
     Numerics: GELU is applied by cuBLASLt to the fp32 ``h`` (the unfused path applies it to ``h`` rounded to
     ``out_dtype``), so about 2 % of the FP8 bytes differ by one step (H200, 2026-11-21,
@@ -163,7 +166,7 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     takes the fallback itself where this returns None.
     """
     a2, b2 = _as_2d(a.data), _as_2d(b.data)
-    if not (use_kernels(a2) and a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16)
+    if not (a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16)
             and cublaslt.available()):
         return None
     bias = bias.to(out_dtype)
@@ -186,4 +189,4 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
         return None
     if amax_out is not None:
         torch.maximum(amax_out, amax, out=amax_out)  # a NaN amax stays NaN: the scale update keeps the old scale
-    return h, Float8Tensor(y, torch.reciprocal(scale), out_dtype)
+    return h, Float8Tensor(y, torch.reciprocal(scale), out_dtype, kernels=True)

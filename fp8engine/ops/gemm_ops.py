@@ -61,13 +61,15 @@ def gemm_bias_gelu_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
     from fp8engine.kernels.activation import gelu_fwd
     from fp8engine.ops import gemm
 
-    fused = gemm.fp8_gemm_bias_gelu(Float8Tensor(a, a_scale_inv, out_dtype), Float8Tensor(b, b_scale_inv, out_dtype),
+    fused = gemm.fp8_gemm_bias_gelu(Float8Tensor(a, a_scale_inv, out_dtype, kernels=True),
+                                    Float8Tensor(b, b_scale_inv, out_dtype, kernels=True),
                                     bias, out_dtype, scale, fp8_dtype, amax)  # eager mode's cuBLASLt epilogue
     if fused is not None:
         h, y = fused
         return h, y.data, y.scale_inv
     # eager mode's fallback: _scaled_mm with the bias, then the activation kernel writes FP8 directly
-    h = gemm.fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=bias.to(out_dtype), use_fast_accum=True)
+    h = gemm.fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=bias.to(out_dtype), use_fast_accum=True,
+                    kernels=True)
     _, y8, scale_inv = gelu_fwd(h, scale=scale, fp8_dtype=fp8_dtype, amax_out=amax)
     return h, y8, scale_inv
 
@@ -98,7 +100,7 @@ def mm_accumulate_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     from fp8engine.ops import gemm
 
     if out.is_cuda:
-        gemm.fp8_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner=pad_inner)
+        gemm.fp8_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner=pad_inner, kernels=True)
     else:
         _mm_accumulate_reference(a, a_scale_inv, b, b_scale_inv, out, pad_inner)
 

@@ -63,7 +63,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.ops import gemm as gemm_path
 from fp8engine.ops import replay, replay_cache
 from fp8engine.ops.backward import backward_keeps_graph
@@ -206,7 +205,7 @@ def _replay_config(p: LayerPlan):
     if (p.hidden_dropout or p.attn["dropout_p"] or p.rng is not None or p.fuse_wgrad
             or any(q.stats is not None for q in quantizers)):
         return None
-    return (tuple((q.fp8_dtype, q.kind) for q in quantizers), p.w_fp8 and tuple(w.dtype for w in p.w_fp8), p.split,
+    return (tuple((q.fp8_dtype, q.kind, q.kernels) for q in quantizers), p.w_fp8 and tuple(w.dtype for w in p.w_fp8), p.split,
             tuple(sorted(p.attn.items())), p.norm1, p.norm2, p.kind, p.gelu_epilogue,
             gemm_path.CUBLASLT_GEMM)  # the GEMM entry fp8_mm calls (a switch the tools flip)
 
@@ -232,7 +231,7 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
     # 1. input norm written in FP8 (its transpose is made when wgrad needs it), QKV fprop
     _, ln1_8, mean1, rstd1, _ = norm_fwd(x, ln1_w, ln1_b, eps1, rms=rms1, zero_centered_gamma=zc1,
                                          quantizer=p.qkv.input, transpose=grad, return_hp=False,
-                                         placeholder=False)
+                                         placeholder=False, kernels=p.qkv.input.kernels)
     qkv = fp8_fprop(ln1_8, wq8, dt, b_qkv)
     # backward keeps only the transposed FP8 layouts (dgrad: W^T, wgrad: X^T), made right after each GEMM and
     # the row-major copies dropped, as the composed ops do (the transients of this forward stay as small)
@@ -241,7 +240,8 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
     del ln1_8
     # 2. attention on the grouped views (rotary: new q, k), through PyTorch's SDPA with its own autograd node
     g, hpg, d = p.split
-    q, k, v, rope = split_rotate(qkv.view(s, b, qkv.shape[-1]), p.split, p.rope)  # (the QKV op's rotation)
+    q, k, v, rope = split_rotate(qkv.view(s, b, qkv.shape[-1]), p.split, p.rope,  # (the QKV op's rotation)
+                                 p.qkv.input.kernels)
     q = q.reshape(s, b, g * hpg, d)
     cos, sin = rope if rope is not None else (None, None)
     qkv_a = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
@@ -265,7 +265,7 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
     # 4. residual add in norm2's kernel (s2 = a + x), MLP
     _, ln2_8, mean2, rstd2, s2 = norm_fwd(a, ln2_w, ln2_b, eps2, rms=rms2, zero_centered_gamma=zc2,
                                           quantizer=p.fc1.input, transpose=grad, return_hp=False, residual=x,
-                                          placeholder=False)
+                                          placeholder=False, kernels=p.fc1.input.kernels)
     del a
     hid, a8 = fc1_fprop_act(ln2_8, w18, b1, dt, p.kind, p.fc2.input, transpose=grad,
                             gelu_epilogue=p.gelu_epilogue)
@@ -320,7 +320,8 @@ def _backward(ctx, dout, keep: bool) -> tuple:
     # norm2 with the residual's gradient added in the kernel: d s2 (= d a = d x through the residual)
     eps2, rms2, zc2 = p.norm2
     ds2, dln2_w, dln2_b = norm_bwd(dln2.view(s, b, h), s2, mean2, rstd2, ln2_w, rms=rms2,
-                                   zero_centered_gamma=zc2, has_bias=has_ln2b, dresidual=dout)
+                                   zero_centered_gamma=zc2, has_bias=has_ln2b, dresidual=dout,
+                                   kernels=p.fc1.input.kernels)
     del dln2, s2, dout
     # output projection, behind the hidden dropout of the attention branch
     da = _dropout_bwd(a_drop, ds2, keep)
@@ -343,7 +344,7 @@ def _backward(ctx, dout, keep: bool) -> tuple:
     # input norm, with the gradient that reached x through the residual (ds2) added in the kernel
     eps1, rms1, zc1 = p.norm1
     dx, dln1_w, dln1_b = norm_bwd(dln1.view(s, b, h), x, mean1, rstd1, ln1_w, rms=rms1, zero_centered_gamma=zc1,
-                                  has_bias=has_ln1b, dresidual=ds2)
+                                  has_bias=has_ln1b, dresidual=ds2, kernels=p.qkv.input.kernels)
     dbqkv, dbp, db1, db2 = (t if t is None or t.dtype == w.dtype else t.to(w.dtype)
                             for t, w in ((dbqkv, w_qkv), (dbp, w_proj), (db1, w1), (db2, w2)))
     return (dx, dln1_w, dln1_b if need[2] else None, dwq, dbqkv, dwp, dbp, dln2_w,
@@ -413,9 +414,10 @@ def fused_layer(x: torch.Tensor, params: tuple, plan: LayerPlan) -> torch.Tensor
 def _dispatch_state(x: torch.Tensor) -> tuple:
     """The process state the ops of a step dispatch on, besides their arguments (part of the replay key):
     ``torch.autocast`` (it casts some ops' inputs: the amax reduction runs in fp32 under it), the backend choice of
-    the kernels (``use_kernels``), and the switches that steer SDPA's backend choice."""
+    and the switches that steer SDPA's backend choice (the kernels' backend is the quantizers', in
+    :func:`_replay_config`)."""
     device = x.device.type
     cuda = torch.backends.cuda
-    return (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), use_kernels(x),
+    return (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device),
             torch.are_deterministic_algorithms_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
             cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled())

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.block_quantizer import BLOCK_DTYPES, block_quantizers_for
-from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.block_gemm import check_block_dims
@@ -74,7 +74,7 @@ def main_grad_of(weight: torch.Parameter) -> torch.Tensor:
 
 
 def fp8_wgrad_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
-                         out: torch.Tensor) -> None:
+                         out: torch.Tensor, kernels: bool = False) -> None:
     """``out += (a * a_scale_inv) @ (b * b_scale_inv).T``, a wgrad ``[N, K]`` accumulated into fp32 ``main_grad``
     (FP8 ``a [N, M]``, ``b [K, M]``, the token dim ``M`` zero-padded to 16): :func:`fp8_mm_accumulate` (cuBLASLt
     with beta = 1 on CUDA) in eager code; traced by ``torch.compile`` on CUDA, its custom op
@@ -83,19 +83,19 @@ def fp8_wgrad_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Te
     if compiled_gemm_ops(out):
         mm_accumulate_fp8(a, a_scale_inv, b, b_scale_inv, out, True)
     else:
-        fp8_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner=True)
+        fp8_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner=True, kernels=kernels)
 
 
 def _dgrad(dy: Float8Tensor, w_t: tuple, out_dtype: torch.dtype) -> torch.Tensor:
-    return fp8_mm(dy.data, dy.scale_inv, w_t[0], w_t[1], out_dtype)
+    return fp8_mm(dy.data, dy.scale_inv, w_t[0], w_t[1], out_dtype, kernels=dy.kernels)
 
 
 def _wgrad(dy: Float8Tensor, x_t: tuple, out_dtype: torch.dtype) -> torch.Tensor:
-    return fp8_mm(dy.transpose_2d(), dy.scale_inv, x_t[0], x_t[1], out_dtype, pad_inner=True)
+    return fp8_mm(dy.transpose_2d(), dy.scale_inv, x_t[0], x_t[1], out_dtype, pad_inner=True, kernels=dy.kernels)
 
 
 def _wgrad_into(dy: Float8Tensor, x_t: tuple, out: torch.Tensor) -> None:
-    fp8_wgrad_accumulate(dy.transpose_2d(), dy.scale_inv, x_t[0], x_t[1], out)
+    fp8_wgrad_accumulate(dy.transpose_2d(), dy.scale_inv, x_t[0], x_t[1], out, dy.kernels)
 
 
 # The per-tensor GEMMs of a linear layer (module docstring; the block-scaled ones: fp8engine.ops.block_gemm):
@@ -173,7 +173,7 @@ class _FP8Linear(torch.autograd.Function):
             dy_fp8, db = ctx.grad_quantizer.quantize_dbias(dy2d, transpose=need_dw, dbias=need_db)
             grads = linear_backward(ctx, dy_fp8, db)
         if db_rows is not None:
-            grads = (grads[0], grads[1], db_rows.to(ctx.saved_tensors[-1].dtype)) + grads[3:]
+            grads = (grads[0], grads[1], db_rows) + grads[3:]
         return (*grads, None, None)
 
 
@@ -212,7 +212,7 @@ def linear_backward(ctx, dy_fp8: Float8Tensor, db: Optional[torch.Tensor]) -> tu
     if dx is not None:
         dx = dx.reshape(ctx.x_shape)
     if db is not None:
-        db = db.to(weight.dtype)
+        db = db.to(dy_fp8.dtype)
     return dx, dw, db, None, None, None, None
 
 
@@ -319,7 +319,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 recipe: Optional[Float8BlockScaling] = None, *, use_kernel: Optional[bool] = None) -> torch.Tensor:
+                 recipe: Optional[Float8BlockScaling] = None, *, kernels: Optional[bool] = None) -> torch.Tensor:
     """``y = x @ weight.T + bias`` with all three GEMMs in block-scaled FP8, without a module: :func:`linear` with
     the :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer` objects of ``recipe``.
 
@@ -330,7 +330,7 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     Args:
         x: ``[*, K]`` bf16 / fp32. weight: ``[N, K]`` bf16 / fp32. bias: ``[N]`` or None.
         recipe: a :class:`Float8BlockScaling` (default ``Float8BlockScaling()``: E4M3, power-of-two scales).
-        use_kernel: Triton cast kernels (True), the plain-PyTorch references (False), or
+        kernels: Triton cast kernels (True), the plain-PyTorch references (False), or
             :func:`~fp8engine.fp8.float8_tensor.use_kernels`'s choice (None: the kernels on CUDA).
     Returns:
         ``[*, N]`` in x's dtype.
@@ -348,4 +348,5 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         if t.dtype not in BLOCK_DTYPES:
             raise TypeError(f"block_linear: {name} has dtype {t.dtype}; supported: bfloat16, float32")
     check_block_dims([(weight.shape[1], weight.shape[0])], "block_linear")
-    return linear(x, weight, bias, LinearQuantizers(*block_quantizers_for(recipe, 3, use_kernel)))
+    kernels = use_kernels(x) if kernels is None else kernels  # (a functional entry: no module chose it)
+    return linear(x, weight, bias, LinearQuantizers(*block_quantizers_for(recipe, 3, kernels)))

@@ -17,7 +17,7 @@ and the re-gather of fc1's FP8 input shard started before that dgrad GEMM.
 
 It keeps for backward only x^T (or, sequence parallel, this rank's FP8 shard of x) and W1^T (FP8), the
 pre-activation ``h`` (high precision, for the activation backward), a^T and W2^T (FP8). The elementwise passes
-dispatch on :func:`fp8engine.fp8.float8_tensor.use_kernels`: on CUDA the Triton kernels of
+run the backend the quantizers carry (``Quantizer.kernels``, chosen by ``get_quantizers``): the Triton kernels of
 ``fp8engine.kernels.activation`` / ``.cast`` (activation forward writing FP8 directly, activation backward +
 cast-transpose + dbias in one pass, ``cast_transpose_dbias`` for ``dy``), elsewhere
 :func:`act_fwd` / :func:`act_bwd` and the torch casts -- on CPU exactly the ops of the unfused composition
@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.gemm import fp8_gemm_bias_gelu
@@ -149,7 +149,7 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
             return quantizer.quantize(act_fwd_amax(h.contiguous(), kind, amax), transpose=transpose, amax=amax)
         y8, scale_inv = act_fwd_fp8(h.contiguous(), kind, scale, quantizer.fp8_dtype, amax)
         return Float8Tensor(y8, scale_inv, h.dtype)
-    if not use_kernels(h):
+    if not quantizer.kernels:
         return quantizer.quantize(act_fwd(h, kind), transpose=transpose)
     from fp8engine.kernels import activation as ka
 
@@ -167,7 +167,7 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
     _, y8, scale_inv = fwd(h, scale=quantizer.scale, fp8_dtype=quantizer.fp8_dtype, amax_out=quantizer.amax)
     # the byte transpose (when ``transpose``) is left to the consumer's first ``transpose_2d()`` call, which comes
     # after its fprop GEMM was issued: the GEMM does not wait behind the transpose's launch on the host
-    return Float8Tensor(y8, scale_inv, h.dtype)
+    return Float8Tensor(y8, scale_inv, h.dtype, kernels=True)
 
 
 def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quantizer, *,
@@ -192,7 +192,7 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
         dh8, dh8_t, scale_inv, db = act_bwd_fp8(da.contiguous(), h.contiguous(), kind, scale, quantizer.fp8_dtype,
                                                 amax)
         return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t), (db if dbias else None)
-    if not use_kernels(h):
+    if not quantizer.kernels:
         return quantizer.quantize_dbias(act_bwd(da, h, kind), transpose=transpose, dbias=dbias)
     from fp8engine.kernels import activation as ka
 
@@ -208,7 +208,7 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
         dh, _, _, db = bwd(da, h, None, None, amax)
         return quantizer.quantize(dh, transpose=transpose, amax=amax), (db if dbias else None)
     dh8, dh8_t, scale_inv, db = bwd(da, h, quantizer.scale, quantizer.fp8_dtype, quantizer.amax)
-    return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t), (db if dbias else None)
+    return Float8Tensor(dh8, scale_inv, da.dtype, dh8_t, kernels=True), (db if dbias else None)
 
 
 #: fc1 outputs (tokens x F) with at least this many elements take the GELU epilogue by default
@@ -244,7 +244,7 @@ def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.
     # not while FP8 stats record: they need the high-precision activation
     if (kind == "gelu" and b1 is not None and quantizer.delayed and quantizer.stats is None
             and use_gelu_epilogue(gelu_epilogue, x_fp8.data.numel() // max(x_fp8.shape[-1], 1), w1_fp8.shape[0])):
-        if use_kernels(x_fp8.data):
+        if quantizer.kernels:
             fused = fp8_gemm_bias_gelu(x_fp8, w1_fp8, b1, out_dtype, quantizer.scale, quantizer.fp8_dtype,
                                        quantizer.amax)
             if fused is not None:
@@ -319,9 +319,9 @@ class _FP8MLP(torch.autograd.Function):
             if dx is not None:
                 dx = dx.reshape(ctx.x_shape)
             if db1 is not None:
-                db1 = db1.to(w1.dtype)
+                db1 = db1.to(da.dtype)
         if db2 is not None:
-            db2 = db2.to(w2.dtype)
+            db2 = db2.to(dy.dtype)
         if not backward_keeps_graph("the FP8 MLP"):  # (kept for another backward under retain_graph)
             ctx.x_t = ctx.w1_t = ctx.a_t = ctx.w2_t = ctx.x_shard = None
         return dx, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None, None, None, None

@@ -34,7 +34,8 @@ def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
              zero_centered_gamma: bool, quantizer: Optional[Quantizer] = None, transpose: bool = False,
-             return_hp: bool = True, residual: Optional[torch.Tensor] = None, placeholder: bool = True):
+             return_hp: bool = True, residual: Optional[torch.Tensor] = None, placeholder: bool = True,
+             kernels: bool = False):
     """Normalise the last dim of ``x`` and, with a ``quantizer``, cast the result to FP8.
 
     Args:
@@ -48,6 +49,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             ``placeholder=False`` it is None instead (a caller that consumes only ``y_fp8``, no autograd output).
         residual: optional ``[..., N]`` like ``x``: normalise ``x + residual`` (the residual connection in front
             of a pre-norm sublayer; in the norm kernel on CUDA, torch's add elsewhere).
+        kernels: the backend, chosen by the caller (the quantizer's ``kernels``, or :func:`norm`'s choice): the
+            Triton norm kernels, or ATen's norm and the quantizer's cast.
     Returns:
         ``(y [..., N] in x.dtype, y_fp8 Float8Tensor [M, N] or None, mean or None, rstd, s)``; ``s`` is the
         normalised tensor (``x``, or ``x + residual``); mean/rstd are opaque to callers (only :func:`norm_bwd`
@@ -76,7 +79,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         elif quantizer is not None:  # amax None: computed in the graph by the cast
             y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose, amax=amax)
         return y, y_fp8, mean, rstd, s
-    if use_kernels(x):  # Triton: normalisation and FP8 cast (delayed scaling) in one pass over x
+    if kernels:  # Triton: normalisation and FP8 cast (delayed scaling) in one pass over x
         from fp8engine.kernels import norm as kn
 
         x = x.contiguous()
@@ -119,7 +122,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         if delayed:
             # its transpose (``transpose``) is made by the consumer's first transpose_2d() call, after the consumer's
             # fprop GEMM was issued (at the start of a step the host launches the GEMM one launch earlier)
-            y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype)
+            y_fp8 = Float8Tensor(y8.reshape(-1, y8.shape[-1]), scale_inv, x.dtype, kernels=True)
         elif quantizer is not None:  # current scaling: the amax of the y the kernel wrote (no separate read)
             y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose, amax=amax_out)
         return y, y_fp8, mean, rstd, x
@@ -166,18 +169,19 @@ def _op_path(x: torch.Tensor, quantizer: Optional[Quantizer], rms: bool) -> bool
 
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean, rstd, weight: torch.Tensor, *, rms: bool,
              zero_centered_gamma: bool, has_bias: bool, dresidual: Optional[torch.Tensor] = None,
-             op_path: bool = False):
+             op_path: bool = False, kernels: bool = False):
     """Gradients ``(dx [..., N] in x.dtype, dweight [N], dbias [N] or None)`` of :func:`norm_fwd`'s ``y``
     (``d/dweight`` equals ``d/dgamma``, also with ``zero_centered_gamma``); ``x`` is the normalised tensor.
     ``dresidual`` (like x): a gradient reaching ``x`` by another path, added to dx (in the kernel on CUDA).
-    ``op_path``: the forward ran the custom op (:func:`_op_path`): the backward kernel runs as one too."""
+    ``op_path``: the forward ran the custom op (:func:`_op_path`): the backward kernel runs as one too;
+    ``kernels``: the forward's backend (:func:`norm_fwd`)."""
     if op_path:
         from fp8engine.ops.kernel_ops import norm_bwd as norm_bwd_op
 
         dres = None if dresidual is None else dresidual.contiguous()
         dx, dw, db = norm_bwd_op(dy.contiguous(), x.contiguous(), mean, rstd, weight, dres, rms, zero_centered_gamma)
         return dx, dw, (None if rms else db)
-    if use_kernels(x):
+    if kernels:
         from fp8engine.kernels import norm as kn
 
         dy, x = dy.contiguous(), x.contiguous()
@@ -212,16 +216,16 @@ class _NormCast(torch.autograd.Function):
     also reads ``s`` costs no separate gradient add."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma, quantizer, transpose, return_hp=True,
-                residual=None):
+    def forward(ctx, x, weight, bias, eps, rms, zero_centered_gamma, quantizer, transpose, return_hp, residual,
+                kernels):
         y, y_fp8, mean, rstd, s = norm_fwd(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma,
                                            quantizer=quantizer, transpose=transpose, return_hp=return_hp,
-                                           residual=residual)
+                                           residual=residual, kernels=kernels)
         ctx.set_materialize_grads(False)  # an unused s gets no zero-filled gradient
         ctx.save_for_backward(s, weight, mean, rstd)
         ctx.rms, ctx.zero_centered_gamma, ctx.has_bias = rms, zero_centered_gamma, bias is not None
         ctx.has_residual = residual is not None
-        ctx.op_path = _op_path(x, quantizer, rms)
+        ctx.op_path, ctx.kernels = _op_path(x, quantizer, rms), kernels
         return y, y_fp8, s
 
     @staticmethod
@@ -230,8 +234,8 @@ class _NormCast(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(s)
         dx, dw, db = norm_bwd(dy, s, mean, rstd, weight, rms=ctx.rms, zero_centered_gamma=ctx.zero_centered_gamma,
-                              has_bias=ctx.has_bias, dresidual=ds, op_path=ctx.op_path)
-        return dx, dw, db, None, None, None, None, None, None, (dx if ctx.has_residual else None)
+                              has_bias=ctx.has_bias, dresidual=ds, op_path=ctx.op_path, kernels=ctx.kernels)
+        return dx, dw, db, None, None, None, None, None, None, (dx if ctx.has_residual else None), None
 
 
 def _same_dtype(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple:
@@ -251,9 +255,12 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ep
     ``residual`` (like x): normalise ``x + residual``. ``return_input``: return ``(y, s)`` with ``s`` the
     normalised tensor (``x`` or ``x + residual``), whose gradient is added inside the norm's backward. A
     ``residual`` of another dtype (an fp32 residual stream beside a bf16 branch under ``torch.autocast``) is
-    added as PyTorch's ``x + residual`` would: both in the promoted dtype, which ``y`` and ``s`` then have."""
+    added as PyTorch's ``x + residual`` would: both in the promoted dtype, which ``y`` and ``s`` then have.
+    Backend: the Triton norm kernels where :func:`~fp8engine.fp8.float8_tensor.use_kernels` says so (chosen here:
+    no quantizer carries the choice), else ATen's."""
     x, residual = _same_dtype(x, residual)
-    y, _, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None, False, True, residual)
+    y, _, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None, False, True, residual,
+                              use_kernels(x))
     return (y, s) if return_input else y
 
 
@@ -269,5 +276,5 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     A ``residual`` of another dtype is promoted with ``x`` as in :func:`norm`."""
     x, residual = _same_dtype(x, residual)
     y, y_fp8, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, quantizer, transpose,
-                                  return_hp, residual)
+                                  return_hp, residual, quantizer.kernels)
     return (y, y_fp8, s) if return_input else (y, y_fp8)

@@ -35,10 +35,10 @@ from fp8engine.ops.rotary import qkv_views, rope_bwd, rope_cos_sin, rope_fwd, ro
 __all__ = ["fp8_linear_qkv", "split_grouped_qkv", "qkv_grad_fp8"]
 
 
-def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
+def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor], kernels: bool):
     """``y [s, b, C]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d], rope)``: views of ``y``, or with
     rotary angles ``freqs [s, 1, 1, r]`` q and k rotated (new tensors: one kernel pass from ``y``,
-    :func:`fp8engine.kernels.rotary.rope_qk`, where the kernels run; else :func:`fp8engine.ops.rotary.rope_fwd`, the
+    :func:`fp8engine.kernels.rotary.rope_qk`, with ``kernels``, the caller's backend; else :func:`fp8engine.ops.rotary.rope_fwd`, the
     same bits) and ``rope = (cos, sin)`` in ``y``'s dtype for the backward (None without ``freqs``)."""
     q, k, v = qkv_views(y, *split)
     if freqs is None:
@@ -46,7 +46,7 @@ def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor]):
     g, hpg, d = split
     s, b = y.shape[:2]
     cos, sin = rope_cos_sin(freqs, y.dtype)
-    if use_kernels(y) and y.is_contiguous():
+    if kernels and y.is_contiguous():
         q, k = rope_qk(y, cos, sin, split, b)  # (validates the tables)
     elif kernel_ops.compiled_kernel_ops(y):  # traced by torch.compile: the kernel as an opaque op
         q, k = kernel_ops.rope_qk(y.contiguous(), cos, sin, g, hpg, d, b)
@@ -63,7 +63,8 @@ class _SplitGroupedQKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int, freqs=None):
-        q, k, v, ctx.rope = split_rotate(mixed, (groups, heads_per_group, head_dim), freqs)
+        # (no quantizer carries a backend here: the high-precision QKV chooses its own)
+        q, k, v, ctx.rope = split_rotate(mixed, (groups, heads_per_group, head_dim), freqs, use_kernels(mixed))
         ctx.hpg = heads_per_group
         return q, k, v
 
@@ -90,7 +91,7 @@ class _FP8LinearQKV(torch.autograd.Function):
                 fuse_wgrad: bool, split: tuple, comm=None, x_shard=None, freqs=None):
         y = _FP8Linear.forward(ctx, x, weight, bias, x_fp8, w_fp8, grad_quantizer, fuse_wgrad, comm, x_shard)
         ctx.hpg = split[1]
-        q, k, v, ctx.rope = split_rotate(y, split, freqs)
+        q, k, v, ctx.rope = split_rotate(y, split, freqs, grad_quantizer.kernels)
         return q, k, v
 
     @staticmethod
@@ -120,7 +121,7 @@ def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Opt
     if q.delayed and q.stats is None and dq is not None and dk is not None and dv is not None:
         cos, sin = rope if rope is not None else (None, None)
         out = None
-        if use_kernels(dq):
+        if q.kernels:
             from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
 
             out = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax, cos=cos, sin=sin)
@@ -130,7 +131,7 @@ def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Opt
             out = kernel_ops.qkv_grad_cast_fp8(dq, dk, dv, scale, q.fp8_dtype, amax_out, cos, sin)
         if out is not None:
             data, data_t, scale_inv, db = out
-            return Float8Tensor(data, scale_inv, dq.dtype, data_t), (db if dbias else None)
+            return Float8Tensor(data, scale_inv, dq.dtype, data_t, kernels=q.kernels), (db if dbias else None)
     elif q.cast_qkv_grad is not None:  # the quantizer's own fused cast (block scaling: 1 x 128 tiles)
         out = q.cast_qkv_grad(dq, dk, dv, transpose=transpose, dbias=dbias, rope=rope)
         if out is not None:

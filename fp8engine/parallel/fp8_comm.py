@@ -38,7 +38,7 @@ def all_gather_fp8_bytes(local: Float8Tensor, group, async_op: bool = False):
         valid once ``work.wait()`` returns when ``async_op``), and the work handle or None.
     """
     raw, work = all_gather_dim0(local.data.view(torch.uint8), group, async_op=async_op)
-    return Float8Tensor(raw.view(local.data.dtype), local.scale_inv, local.dtype), work
+    return Float8Tensor(raw.view(local.data.dtype), local.scale_inv, local.dtype, kernels=local.kernels), work
 
 
 def cast_and_all_gather_fp8(x: torch.Tensor, quantizer: Quantizer, group) -> tuple[Float8Tensor, Float8Tensor]:
@@ -55,7 +55,8 @@ def cast_and_all_gather_fp8(x: torch.Tensor, quantizer: Quantizer, group) -> tup
     """
     if quantizer.delayed:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device) if quantizer.record_amax else None
-        local = Quantizer(quantizer.fp8_dtype, "delayed", quantizer.scale, amax, stats=quantizer.stats).quantize(x)
+        local = Quantizer(quantizer.fp8_dtype, "delayed", quantizer.scale, amax, stats=quantizer.stats,
+                          kernels=quantizer.kernels).quantize(x)
         total, work = all_gather_fp8_bytes(local, group, async_op=True)
         amax, amax_work = all_reduce(amax, group, "max", async_op=True) if amax is not None else (None, None)
         work.wait()
@@ -98,7 +99,7 @@ def measure_sp_all_gather(x_local: torch.Tensor, group, *, fp8: bool, iters: int
     if fp8:
         from fp8engine.fp8.dtypes import fp8_dtype_of
 
-        quantizer = quantizer or Quantizer(fp8_dtype_of("e4m3"), "current")
+        quantizer = quantizer or Quantizer(fp8_dtype_of("e4m3"), "current", kernels=x_local.is_cuda)
 
         def step():
             cast_and_all_gather_fp8(x_local, quantizer, group)

@@ -22,6 +22,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from fp8engine.fp8.dtypes import FP8_DTYPES
+
 __all__ = ["shard_model", "is_sharded", "local_tensor"]
 
 
@@ -43,10 +45,19 @@ def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module],
     Returns:
         ``model`` (``fully_shard`` changes it in place into an ``FSDPModule``).
     Raises:
-        ValueError: ``mesh`` is not 1-D.
+        ValueError: ``mesh`` is not 1-D; ``model`` has FP8 primary weights (:func:`fp8engine.fp8_model_init`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    fp8 = [name for name, p in model.named_parameters() if p.dtype in FP8_DTYPES.values()]
+    if fp8:
+        # (seen with torch 2.13: fully_shard asserts "FSDP expects uniform original parameter dtype but got
+        # {torch.float32, torch.float8_e4m3fn}" at the first all-gather; gloo's all-gather of float8 raises
+        # "RuntimeError: Invalid scalar type")
+        raise ValueError(f"shard_model: {len(fp8)} parameters are FP8 primary weights (fp8_model_init), e.g. "
+                         f"{fp8[0]!r}; FSDP2 cannot shard them (fully_shard wants one dtype for a group's trainable "
+                         "parameters, and their gradients are in main_grad, which FSDP does not reduce-scatter). "
+                         "Build the model without fp8_model_init and pass fp8_all_gather=True to all-gather FP8 bytes")
     if mesh.ndim != 1:
         raise ValueError(f"shard_model needs a 1-D data-parallel mesh, got {mesh.ndim}-D; pass mesh['dp']")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

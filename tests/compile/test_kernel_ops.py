@@ -315,9 +315,12 @@ def test_compiled_current_scaling_activation_equals_eager_kernels(monkeypatch, k
 
     eager_kernels = _current_scaling_both_ways(monkeypatch, device)
     h, da = _inputs(kind, device, rows=67)
-    fwd_q, bwd_q = Quantizer(E4M3, "current", role="fc2_input"), Quantizer(E5M2, "current", role="fc1_grad_output")
+    # eager: the kernel backend (what get_quantizers gives a CUDA module); compiled: the traced one (kernels False)
+    qs = {k: (Quantizer(E4M3, "current", role="fc2_input", kernels=k),
+              Quantizer(E5M2, "current", role="fc1_grad_output", kernels=k)) for k in (False, True)}
 
     def step(h, da):
+        fwd_q, bwd_q = qs[not torch.compiler.is_compiling()]
         dh, dbias = act_bwd_cast(da, h, kind, bwd_q, transpose=True, dbias=True)
         return (*_fields(act_fwd_cast(h, kind, fwd_q, transpose=True)), *_fields(dh), dbias)
 
@@ -342,14 +345,14 @@ def test_compiled_current_scaling_norm_equals_eager_kernels(monkeypatch, rms, de
     x, res, dy = _x(device, rows=67), _x(device, rows=67, seed=2), _x(device, rows=67, seed=3)
     w = torch.randn(96, device=device).to(torch.bfloat16)
     b = None if rms else torch.randn(96, device=device).to(torch.bfloat16)
-    q = Quantizer(E4M3, "current", role="fc1_input")
+    qs = {k: Quantizer(E4M3, "current", role="fc1_input", kernels=k) for k in (False, True)}
 
     def step(x, res, dy):
-        y, y_fp8, mean, rstd, s = norm_fwd(x, w, b, 1e-5, rms=rms, zero_centered_gamma=False, quantizer=q,
-                                           transpose=True, residual=res)
         op_path = torch.compiler.is_compiling()  # the compiled forward ran the op, whose mean / rstd layout it reads
+        y, y_fp8, mean, rstd, s = norm_fwd(x, w, b, 1e-5, rms=rms, zero_centered_gamma=False, quantizer=qs[not op_path],
+                                           transpose=True, residual=res, kernels=not op_path)
         dx, dw, db = norm_bwd(dy, s, mean, rstd, w, rms=rms, zero_centered_gamma=False, has_bias=not rms,
-                              dresidual=dy, op_path=op_path)
+                              dresidual=dy, op_path=op_path, kernels=not op_path)
         return (y, *_fields(y_fp8), s, dx, dw) + (() if rms else (db,))
 
     got = torch.compile(step, fullgraph=True)(x, res, dy)

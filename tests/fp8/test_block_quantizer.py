@@ -66,7 +66,7 @@ def test_quantize_dbias_is_quantize_and_the_column_sums(use_kernel):
         pytest.importorskip("triton")
     dev = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"
     dy = (torch.randn(2, 128, 384) * torch.logspace(-2, 2, 384)).to(torch.bfloat16).to(dev)
-    q = BlockQuantizer(E5M2, TILE_1x128, use_kernel=use_kernel)
+    q = BlockQuantizer(E5M2, TILE_1x128, kernels=use_kernel)
     got, db = q.quantize_dbias(dy, transpose=True)
     got_t = got.t_operand()
     want = q.quantize(dy, transpose=True)
@@ -90,7 +90,7 @@ def test_quantize_dbias_errors():
     with pytest.raises(ValueError, match="1 x 128"):
         BlockQuantizer(E4M3, BLOCK_128x128, role="weight").quantize_dbias(torch.randn(128, 128))
     with pytest.raises(TypeError, match="dtype"):
-        BlockQuantizer(E4M3, TILE_1x128, use_kernel=True).quantize_dbias(torch.randn(128, 128, dtype=torch.float64))
+        BlockQuantizer(E4M3, TILE_1x128, kernels=True).quantize_dbias(torch.randn(128, 128, dtype=torch.float64))
 
 
 def test_bad_block():

@@ -79,6 +79,7 @@ def test_current_quantize_with_a_given_amax_in_the_inputs_dtype(kernels, dtype):
     if kernels and not (HAS_TRITON and (device == "cuda" or interpreting())):
         pytest.skip("needs Triton on a GPU, or TRITON_INTERPRET=1")
     q = get_quantizers(_state(), FP8Context(fe.CurrentScaling()))[0].weight
+    q.kernels = kernels  # the backend under test (get_quantizers picks it from the state's CPU buffers)
     x = (torch.randn(96, 48, generator=torch.Generator().manual_seed(2)) * 5).to(device, dtype)
     with kernels_forced() if kernels else contextlib.nullcontext():
         ref = q.quantize(x, transpose=True)

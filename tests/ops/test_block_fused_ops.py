@@ -8,6 +8,7 @@ import torch
 
 from _ops_test_utils import IGNORE_INTERPRETER_WARNINGS, force_kernels  # noqa: F401 (fixture)
 from fp8engine.fp8.block_quantizer import block_quantizers_for
+from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers
 from fp8engine.ops.linear import fp8_linear
 from fp8engine.ops.mlp import _unfused_fp8_mlp, act_fwd, fp8_mlp
@@ -19,7 +20,8 @@ pytestmark = IGNORE_INTERPRETER_WARNINGS
 
 
 def _quantizers(fmt=Format.E4M3, gemms=1):
-    qs = block_quantizers_for(Float8BlockScaling(fmt), 3 * gemms)
+    # the backend get_quantizers would give a CPU module here: the kernels under force_kernels(True)
+    qs = block_quantizers_for(Float8BlockScaling(fmt), 3 * gemms, use_kernels(torch.zeros(0)))
     return [LinearQuantizers(*qs[3 * g:3 * g + 3]) for g in range(gemms)]
 
 

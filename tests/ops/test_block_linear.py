@@ -73,9 +73,9 @@ def test_fprop_is_the_block_gemm_of_the_quantized_operands():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors through the kernels need "
                     "TRITON_INTERPRET=1 (set by tests/conftest.py when there is no GPU)")
 def test_kernel_path_matches_reference_path():
-    """use_kernel=True: the Triton cast kernels (interpreter on CPU); bit-identical casts, so identical results."""
+    """kernels=True: the Triton cast kernels (interpreter on CPU); bit-identical casts, so identical results."""
     x, w, b, dy = _inputs(torch.bfloat16, seed=2, shape=(128, 256), n=128)
-    for got, want in zip(_run(x, w, b, dy, use_kernel=True), _run(x, w, b, dy, use_kernel=False)):
+    for got, want in zip(_run(x, w, b, dy, kernels=True), _run(x, w, b, dy, kernels=False)):
         assert torch.equal(got, want)
 
 

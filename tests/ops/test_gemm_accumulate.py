@@ -36,7 +36,7 @@ def _reference(a, b, out0):
 def test_accumulate_vs_float64(device, a_dt, b_dt, m, n, k):
     a, b, out0 = _operands(m, n, k, a_dt, b_dt, device)
     out = out0.clone()
-    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, kernels=True)
     assert sqnr(_reference(a, b, out0), out) >= MIN_SQNR_DB
     if device.type == "cpu":  # the fallback is exactly GEMM into fp32 plus add
         expect = out0 + fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float32)
@@ -46,17 +46,17 @@ def test_accumulate_vs_float64(device, a_dt, b_dt, m, n, k):
 def test_pad_inner_and_errors(device):
     a, b, out0 = _operands(32, 16, 40, E5M2, E4M3, device)  # K = 40 tokens: zero-padded to 48
     out = out0.clone()
-    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, pad_inner=True)
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, pad_inner=True, kernels=True)
     assert sqnr(_reference(a, b, out0), out) >= MIN_SQNR_DB
     with pytest.raises(TypeError, match="float32"):
-        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out.bfloat16(), pad_inner=True)
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out.bfloat16(), pad_inner=True, kernels=True)
     with pytest.raises(ValueError, match=r"\[M, N\]"):
-        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out.t().contiguous(), pad_inner=True)
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out.t().contiguous(), pad_inner=True, kernels=True)
     with pytest.raises(ValueError, match="K=40"):
-        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, kernels=True)
     e5 = fe.quantize_current(b.dequantize(torch.float32), E5M2)
     with pytest.raises(TypeError, match="E5M2 x E5M2"):
-        fp8_mm_accumulate(a.data, a.scale_inv, e5.data, e5.scale_inv, out, pad_inner=True)
+        fp8_mm_accumulate(a.data, a.scale_inv, e5.data, e5.scale_inv, out, pad_inner=True, kernels=True)
 
 
 def test_cublaslt_unavailable_on_cpu_build():
@@ -76,12 +76,12 @@ def test_unaligned_and_strided_out():
     flat = torch.zeros(1 + out0.numel(), device="cuda")
     out = flat[1:].view_as(out0)  # 4-byte aligned: cuBLASLt's FP8 kernels refuse it, so the GEMM-plus-add fallback
     out.copy_(out0)
-    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, kernels=True)
     assert sqnr(_reference(a, b, out0), out) >= MIN_SQNR_DB
     wide = torch.zeros(64, 64, device="cuda")
     strided = wide[:, :32]  # not contiguous: the GEMM-plus-add fallback
     strided.copy_(out0)
-    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, strided)
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, strided, kernels=True)
     assert sqnr(_reference(a, b, out0), strided) >= MIN_SQNR_DB
     assert (wide[:, 32:] == 0).all()
 
@@ -95,7 +95,7 @@ def test_cached_plan_reads_each_calls_scales():
     a2 = fe.quantize_current(a2.dequantize(torch.float32) * 1000, E5M2)  # a very different scale
     out = out0.clone()
     for a, b in ((a1, b1), (a2, b2)):
-        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, kernels=True)
     ref = _reference(a1, b1, out0) + a2.dequantize(torch.float64) @ b2.dequantize(torch.float64).t()
     assert sqnr(ref, out) >= MIN_SQNR_DB
 
@@ -104,13 +104,13 @@ def test_cached_plan_reads_each_calls_scales():
 def test_capturable_in_cuda_graph():
     a, b, out0 = _operands(256, 128, 512, E5M2, E4M3, "cuda", seed=4)
     out = out0.clone()
-    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)  # warm-up: plan built outside capture
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, kernels=True)  # warm-up: plan built outside capture
     out.copy_(out0)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+        fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, kernels=True)
     torch.cuda.current_stream().wait_stream(stream)
     out.copy_(out0)
     graph.replay()
@@ -155,6 +155,6 @@ def test_operands_on_another_gpu_than_the_current_one():
         a, b, out0 = _operands(64, 32, 64, E5M2, E4M3, "cuda:1", seed=5)
     assert torch.cuda.current_device() == 0
     out = out0.clone()
-    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out)
+    fp8_mm_accumulate(a.data, a.scale_inv, b.data, b.scale_inv, out, kernels=True)
     assert torch.cuda.current_device() == 0 and out.device == torch.device("cuda:1")
     assert sqnr(_reference(a, b, out0), out) >= MIN_SQNR_DB

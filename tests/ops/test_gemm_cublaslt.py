@@ -78,17 +78,20 @@ def test_fp8_mm_takes_the_direct_call_in_eager_cuda(monkeypatch):
     monkeypatch.setattr(cublaslt, "gemm", counting)
     a, b = _operand(64, 32, E4M3, 0), _operand(48, 32, E4M3, 1)
     bias = torch.randn(48, device="cuda")
-    out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, BF16, bias=bias.to(BF16), use_fast_accum=True)
+    out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, BF16, bias=bias.to(BF16), use_fast_accum=True,
+                 kernels=True)
     assert calls == [BF16]
     ref = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, bias=bias.to(BF16),
                            out_dtype=BF16, use_fast_accum=True)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     # an fp32 bias with a bf16 output is added after the GEMM, as with torch._scaled_mm
-    out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, BF16, bias=bias)
+    out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, BF16, bias=bias, kernels=True)
     ref = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=BF16) + bias.to(BF16)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     monkeypatch.setattr(gemm_mod, "CUBLASLT_GEMM", False)  # FP8ENGINE_CUBLASLT_GEMM=0
-    fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, BF16)
+    fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, BF16, kernels=True)
+    assert len(calls) == 2
+    fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, BF16)  # the torch backend (kernels=False): torch._scaled_mm
     assert len(calls) == 2
 
 
@@ -100,7 +103,7 @@ def test_fp8_mm_on_cpu_does_not_call_cublaslt(monkeypatch):
     g = torch.Generator().manual_seed(0)
     a = fe.quantize_current(torch.randn(32, 16, generator=g), E4M3)
     b = fe.quantize_current(torch.randn(16, 16, generator=g), E4M3)
-    out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float32)
+    out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float32, kernels=True)  # CPU: never cuBLASLt
     # exact: products of FP8 values and their sums over K = 16 are exact in float64 and the fp32 result is one rounding
     ref = (a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()).float()
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
@@ -121,7 +124,7 @@ def test_gemm_declines_new_configurations_beyond_the_cap(monkeypatch):
     a, b = _operand(80, 32, E4M3, 0), _operand(48, 32, E4M3, 1)
     monkeypatch.setattr(cublaslt, "_MAX_SITES", len(cublaslt._get_context().sites))
     assert cublaslt.gemm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float16) is None  # not planned: declined
-    out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float16)  # torch._scaled_mm then
+    out = fp8_mm(a.data, a.scale_inv, b.data, b.scale_inv, torch.float16, kernels=True)  # torch._scaled_mm then
     ref = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=torch.float16)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 

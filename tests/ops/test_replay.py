@@ -441,16 +441,38 @@ def test_a_new_shape_records_again():
 
 def test_the_key_holds_the_dispatch_state():
     """torch.autocast casts some ops' inputs (the amax reduction runs in fp32 under it) and the SDPA switches pick
-    the attention backend: a step recorded under one state is not replayed under another."""
+    the attention backend: a step recorded under one state is not replayed under another. (The kernels' backend
+    is in the quantizers' part of the key, ``_replay_config``: ``test_backend_is_in_the_config_key``.)"""
     x = torch.randn(S, B, H)
     plain = layer_mod._dispatch_state(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer_mod._dispatch_state(x) != plain
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         assert layer_mod._dispatch_state(x) != plain
-    with kernels_forced():
-        assert layer_mod._dispatch_state(x) != plain
     assert layer_mod._dispatch_state(x) == plain
+
+
+@pytest.mark.skipif(not interpreting(), reason="kernels on CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+def test_backend_is_in_the_config_key():
+    """The same layer's plan under the torch backend and under the kernels (forced on CPU) has different keys."""
+    layer = TransformerLayer(H, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0)
+    seen = []
+    real = layer_mod._replay_config
+
+    def spy(plan):
+        seen.append(real(plan))
+        return seen[-1]
+
+    layer_mod._replay_config, saved = spy, layer_mod._replay_config
+    try:
+        for forced in (False, True):
+            with kernels_forced(forced), fp8engine.autocast(recipe=fp8engine.DelayedScaling()):
+                layer(torch.randn(S, B, H, requires_grad=True))
+    finally:
+        layer_mod._replay_config = saved
+        layer_mod._PROGRAMS.clear()
+    assert len(seen) == 2 and seen[0] is not None and seen[0] != seen[1]
 
 
 def test_replayed_step_keeps_autograds_in_place_check():
