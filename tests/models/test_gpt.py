@@ -226,11 +226,21 @@ def test_fused_loss_matches_unfused(precision, monkeypatch):
     # (8 mantissa bits, 4e-3 relative rounding) whose outputs the two paths round differently (measured 2.6e-3).
     # fp8: the head's input gradient, rounded differently in bf16, then enters the layers' E5M2 gradient casts (2
     # mantissa bits: a value moved across a rounding boundary changes by up to 25 %), whose dgrads reach the tied
-    # embedding's rows: measured 2.8e-3 on the 2-core EPYC, 5.2e-2 on the H100 machine's CPU (its oneDNN bf16
-    # GEMMs round otherwise); bound 0.1 (a wrong scale or a missing chunk is off by O(1)).
-    loss_tol, grad_rel = {"fp32": (1e-6, 1e-5), "bf16": (1e-5, 1e-2), "fp8": (1e-5, 1e-1)}[precision]
+    # embedding's rows. An element-wise bound does not hold across hosts (largest error / largest element: 2.8e-3
+    # on the 2-core EPYC; 5.2e-2, then > 0.1 after an init change, on the H100 machine's CPU, whose oneDNN bf16
+    # GEMMs round otherwise), so FP8 gradients are compared by SQNR: measured >= 55 dB per parameter and 61 dB
+    # overall on the EPYC; bounds 15 dB per parameter (18 % of the norm) and 30 dB overall. A wrong scale, or a
+    # chunk's gradient lost, is off by O(1) (~0 dB); a lost chunk's loss term fails the loss check first.
+    loss_tol, grad_rel = {"fp32": (1e-6, 1e-5), "bf16": (1e-5, 1e-2), "fp8": (1e-5, None)}[precision]
     torch.testing.assert_close(losses[0], losses[1], rtol=loss_tol, atol=loss_tol)
-    _assert_grads_close(grads[0], grads[1], grad_rel)
+    if grad_rel is not None:
+        _assert_grads_close(grads[0], grads[1], grad_rel)
+        return
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[1]:
+        assert sqnr(grads[1][name], grads[0][name]) >= 15, name
+    flat = [torch.cat([g[name].flatten() for name in grads[1]]) for g in grads]
+    assert sqnr(flat[1], flat[0]) >= 30
 
 
 def test_lm_loss_config_and_backends():
