@@ -90,6 +90,9 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over the data-parallel ranks (eager, as the command)")
+    p.add_argument("--trace", help="also write the profiled steps as a Chrome trace (JSON) to this file")
+    p.add_argument("--train-args", default="", help="more options of the training command, one string (as bench "
+                                                    "train's, e.g. \"--fp8-all-gather\")")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("step_profile: needs a CUDA GPU", file=sys.stderr)
@@ -107,7 +110,7 @@ def main() -> int:
     ns = argparse.Namespace(batch_size=None, steps=args.warmup + args.steps, device="cuda", seq_len=None,
                             data=BT.random_gpt2_bins(tmp.name), no_guard=False, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, layout=layout, fsdp=args.fsdp, lm_loss=None,
-                            train_args="")
+                            train_args=args.train_args)
     run, model, step_model, optimizer = BT._setup(args.model, args.mode, ns)
     step_fn = (BT._peer_step(run, model, optimizer) if args.mode in BT.PEER_MODES
                else T.make_step(run, model, step_model, optimizer, guard=True))
@@ -119,6 +122,8 @@ def main() -> int:
     with torch.profiler.profile(activities=acts) as prof:
         for step in range(args.warmup + 1, args.warmup + args.steps + 1):
             walls.append(BT._timed_step(run, step_fn, optimizer, step)[0] * 1e3)
+    if args.trace and layout.is_main:
+        prof.export_chrome_trace(args.trace)
     events = prof.events()
     gpu = [(e.time_range.start, e.time_range.end) for e in events
            if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -151,7 +156,6 @@ def main() -> int:
               "kernels/step; by name (ms/step, calls/step):")
         for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"  {us / 1e3 / n:8.3f} {calls[name] / n:6.0f}  {name[:120]}")
-        return 0
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
     return 0
 

@@ -81,6 +81,7 @@ class FP8AllGatherWeight(torch.Tensor):
 
     def __init__(self, data: torch.Tensor, scale_source: WeightScale):
         self._data, self._scale_source = data, scale_source
+        self._forward_scale = None  # (scale, dtype) of the latest gather outside the backward
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -109,7 +110,16 @@ class FP8AllGatherWeight(torch.Tensor):
         return FP8AllGatherWeight(inner["_data"], scale_source)
 
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
-        scale, dtype = self._scale_source(self._data, mesh.get_group())
+        if torch._C._current_graph_task_id() != -1 and getattr(self, "_forward_scale", None) is not None:
+            # a gather inside the backward (the re-gather of ``reshard_after_forward``, a checkpointed layer's
+            # recompute): the forward's scale, so the parameter autograd saved gets back the forward's exact values.
+            # The state's scale has moved on since (the delayed-scaling update at the autocast exit), and reading it
+            # here, on FSDP2's copy-in stream, would race with that update on the default stream.
+            scale, dtype = self._forward_scale
+        else:
+            scale, dtype = self._scale_source(self._data, mesh.get_group())
+            scale = scale.clone()  # this gather's own copy (the state's buffer is updated in place)
+            self._forward_scale = (scale, dtype)
         q = torch.mul(self._data.detach(), scale).clamp_(-fp8_max_of(dtype), fp8_max_of(dtype)).to(dtype)
         return (q.view(torch.uint8),), (scale.reciprocal(), dtype)
 

@@ -102,6 +102,48 @@ def test_fp8_all_gather_equals_cast_then_gather(recipe):
     run_ranks(_check_fp8_all_gather, 2, recipe)
 
 
+def _check_backward_regather(rank, world_size, recipe_name):
+    """With ``reshard_after_forward`` the backward all-gathers every layer again. Between the two gathers the
+    autocast exit updates the delayed-scaling scales: the re-gather must still give the forward's values bit for bit
+    (autograd saved the parameter in the forward), so it uses the forward's scale, not the updated one."""
+    from fp8engine.parallel.fsdp_fp8 import FP8AllGatherWeight
+
+    recipe = {"delayed": fp8engine.DelayedScaling(), "current": fp8engine.CurrentScaling()}[recipe_name]
+    torch.manual_seed(0)
+    model = GPT(_CONFIG)
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard_model(model, mesh, model.layers, fp8_all_gather=True, reshard_after_forward=True)
+    target = model.layers[0].self_attention.proj.weight._local_tensor
+    seen = []  # (in backward, gathered values) of the target weight, every gather
+    original = FP8AllGatherWeight.fsdp_post_all_gather
+
+    def recording(self, outputs, metadata, param_dtype, *, out=None):
+        result = original(self, outputs, metadata, param_dtype, out=out)
+        if self is target:
+            full = out if out is not None else result[0]
+            seen.append((torch._C._current_graph_task_id() != -1, full.detach().clone()))
+        return result
+
+    FP8AllGatherWeight.fsdp_post_all_gather = recording
+    try:
+        tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            scale_before = model.layers[0].self_attention.proj.fp8_state.scale.clone()
+            _step(model, tokens, recipe, dist.group.WORLD)
+            if recipe_name == "delayed":  # the update between the gathers moved the scale (else the test is void)
+                assert not torch.equal(model.layers[0].self_attention.proj.fp8_state.scale, scale_before)
+    finally:
+        FP8AllGatherWeight.fsdp_post_all_gather = original
+    assert [backward for backward, _ in seen] == [False, True, False, True]  # one forward and one backward gather
+    for step in range(2):
+        assert torch.equal(seen[2 * step][1], seen[2 * step + 1][1]), f"step {step}: re-gather differs"
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_backward_regather_gives_the_forward_values(recipe):
+    run_ranks(_check_backward_regather, 2, recipe)
+
+
 def _check_gathered_bytes(rank, world_size):
     from fp8engine.bench.comm import fsdp_gather_bytes
     from fp8engine.parallel.fsdp_fp8 import fp8_weight_rows
