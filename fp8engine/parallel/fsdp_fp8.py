@@ -4,18 +4,22 @@
 :func:`enable_fp8_all_gather` wraps the shard of every FP8 GEMM weight in a :class:`FP8AllGatherWeight` before
 ``fully_shard``. FSDP2 then calls its all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``):
 
-1. pre: this rank casts its shard to the forward FP8 format with the weight's scale *for the whole weight*:
+1. pre: this rank casts its shard to the forward FP8 format (:func:`~fp8engine.fp8.float8_tensor.quantize`: one
+   cast kernel on CUDA) with the weight's scale *for the whole weight*:
    delayed scaling: the module's scale for that weight row (``ScalingState.scale``, the same on every rank: the
    amax histories are MAX-reduced over the data-parallel group); current scaling: ``fp8_max / amax`` of the whole
    weight, its amax the MAX of the shards' amaxes (one small all-reduce over the FSDP group). Quantization is
-   element-wise, so the gathered bytes equal the cast of the unsharded weight bit for bit.
+   element-wise, so the gathered bytes equal the cast of the unsharded weight bit for bit. A gather inside the
+   backward (``reshard_after_forward``'s re-gather, a recompute) reuses the forward's scale: the autocast exit
+   has updated the state's scale since, and the parameter autograd saved must get back the forward's values.
 2. the all-gather moves ``uint8`` bytes;
-3. post: the gathered FP8 weight is dequantized (``q * scale_inv``) into the unsharded parameter in
-   ``param_dtype``. The module's own cast of it (same scale) gives back exactly the gathered FP8 bits: the
-   dequantized value lies within bf16's rounding of ``q * scale_inv``, far inside half an FP8 step, so the
-   GEMMs use the bits that crossed the wire. What differs from a bf16 all-gather: the weight the module sees is
-   already on the FP8 grid, so the amax it records for delayed scaling is the max of the quantized weight (at
-   most one FP8 step from the true amax), and with current scaling it re-derives its scale from that amax.
+3. post: the gathered FP8 weight is dequantized (``q * scale_inv`` in fp32, rounded once; one pass) into the
+   unsharded parameter in ``param_dtype``. The module's own cast of it (same scale) gives back exactly the
+   gathered FP8 bits: the dequantized value lies within bf16's rounding of ``q * scale_inv``, far inside half an
+   FP8 step, so the GEMMs use the bits that crossed the wire. What differs from a bf16 all-gather: the weight the
+   module sees is already on the FP8 grid, so the amax it records for delayed scaling is the max of the quantized
+   weight (at most one FP8 step from the true amax), and with current scaling it re-derives its scale from that
+   amax.
 
 Gradients are untouched: FSDP2 reduce-scatters them in ``reduce_dtype`` as for any parameter. The wrapper only
 changes how the sharded weight is all-gathered; the optimizer updates its high-precision shard in place.
@@ -30,8 +34,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fp8engine.fp8.autocast import get_fp8_context
-from fp8engine.fp8.dtypes import fp8_dtype_of, fp8_max_of
-from fp8engine.fp8.float8_tensor import current_scale
+from fp8engine.fp8.dtypes import fp8_dtype_of
+from fp8engine.fp8.float8_tensor import current_scale, quantize
 from fp8engine.recipe import CurrentScaling, DelayedScaling
 
 __all__ = ["FP8AllGatherWeight", "WeightScale", "enable_fp8_all_gather", "fp8_weight_rows", "unwrap_state_dict"]
@@ -110,7 +114,7 @@ class FP8AllGatherWeight(torch.Tensor):
         return FP8AllGatherWeight(inner["_data"], scale_source)
 
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
-        if torch._C._current_graph_task_id() != -1 and getattr(self, "_forward_scale", None) is not None:
+        if torch._C._current_graph_task_id() != -1 and self._forward_scale is not None:
             # a gather inside the backward (the re-gather of ``reshard_after_forward``, a checkpointed layer's
             # recompute): the forward's scale, so the parameter autograd saved gets back the forward's exact values.
             # The state's scale has moved on since (the delayed-scaling update at the autocast exit), and reading it
@@ -120,20 +124,22 @@ class FP8AllGatherWeight(torch.Tensor):
             scale, dtype = self._scale_source(self._data, mesh.get_group())
             scale = scale.clone()  # this gather's own copy (the state's buffer is updated in place)
             self._forward_scale = (scale, dtype)
-        q = torch.mul(self._data.detach(), scale).clamp_(-fp8_max_of(dtype), fp8_max_of(dtype)).to(dtype)
-        return (q.view(torch.uint8),), (scale.reciprocal(), dtype)
+        q = quantize(self._data.detach(), dtype, scale)  # one cast kernel on CUDA (the same bits as the reference)
+        return (q.data.view(torch.uint8),), (q.scale_inv, dtype)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None):
         (data,), (scale_inv, dtype) = all_gather_outputs, metadata
-        full = data.view(dtype).float().mul_(scale_inv)  # exact products of FP8 values and an fp32 scale_inv
+        # FP8 -> param_dtype is exact (every E4M3 / E5M2 value is a bf16 value); the product with the fp32 scale_inv
+        # is computed in fp32 and rounded once into the output's dtype (torch promotes no float8 operand itself)
+        values = data.view(dtype).to(param_dtype)
         if out is not None:  # FSDP2's unsharded parameter from the first all-gather, its storage re-allocated
             # refilled as FSDP2 refills its own all-gather buffers: without a version bump (autograd saved this
             # parameter in the forward; the backward's re-gather writes the same values)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-                out.copy_(full)
+                torch.mul(values.view(out.shape), scale_inv, out=out)
             return None
-        full = full.to(param_dtype)
+        full = values.mul_(scale_inv)
         return full, (full,)
 
 
