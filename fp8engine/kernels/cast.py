@@ -23,6 +23,7 @@ from ._common import (
     _abs_max,
     _abs_max_flat,
     _quantize,
+    _round_to,
     _scale_from_amax,
     _store_tile,
     _write_scale_inv,
@@ -52,6 +53,8 @@ __all__ = [
     "cast_transpose_dbias_reference",
     "compute_amax",
     "compute_amax_reference",
+    "dequantize_fp8",
+    "dequantize_fp8_reference",
     "transpose_fp8",
     "transpose_fp8_reference",
 ]
@@ -311,6 +314,61 @@ def compute_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
         x, amax_out, amax_out, amax_out, amax_out, n, FP8_MAX=448.0, IS_E4M3=True, CVT=CVT_EMULATE,
         WRITE_OUT=False, HAS_AMAX=True, BLOCK=CAST_BLOCK,
     )  # fmt: skip
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, scale_inv_ptr, out_ptr, n, IS_E4M3: tl.constexpr, MANT: tl.constexpr,
+                       BIAS: tl.constexpr, SUBNORMAL: tl.constexpr, CVT: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = q * scale_inv``: ``q`` FP8 bits (uint8) decoded exactly to fp32 with integer ops (``MANT`` mantissa
+    bits, exponent bias ``BIAS``, ``SUBNORMAL`` = 2^(1 - BIAS - MANT)); the product in fp32, rounded to nearest even
+    into out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    b = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
+    exp_max = (1 << (7 - MANT)) - 1
+    e = (b >> MANT) & exp_max
+    m = b & ((1 << MANT) - 1)
+    bits = ((e + (127 - BIAS)) << 23) | (m << (23 - MANT))  # a normal number's fp32 bits
+    if IS_E4M3:  # E4M3FN: no infinities; S.1111.111 is NaN
+        bits = tl.where((e == exp_max) & (m == 7), 0x7FC00000, bits)
+    else:  # E5M2: S.11111.00 is inf, S.11111.xx NaN
+        bits = tl.where(e == exp_max, tl.where(m == 0, 0x7F800000, 0x7FC00000), bits)
+    v = tl.where(e == 0, m.to(tl.float32) * SUBNORMAL, bits.to(tl.float32, bitcast=True))
+    v = tl.where((b & 0x80) != 0, -v, v)
+    out = v * tl.load(scale_inv_ptr)
+    tl.store(out_ptr + offs, _round_to(out, out_ptr.dtype.element_ty, CVT), mask=mask)
+
+
+def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = data.float() * scale_inv`` rounded once into ``out``'s dtype, in one pass (read 1 byte, write 2 or 4
+    per element: torch has no vectorised FP8 conversion and promotes no FP8 operand, so its version takes two
+    slower passes).
+
+    Args:
+        data: contiguous FP8 tensor (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``), any shape.
+        scale_inv: ``[1]`` fp32 on data's device.
+        out: contiguous bf16 / fp16 / fp32 tensor with ``data.numel()`` elements, written in place and returned.
+    Raises:
+        ValueError / TypeError as the cast kernels (non-contiguous tensors, CPU without TRITON_INTERPRET=1, dtypes).
+    """
+    _, is_e4m3 = fp8_format(data.dtype, "dequantize_fp8")
+    check_launchable(data, "dequantize_fp8")
+    check_hp(out, "out", "dequantize_fp8")
+    check_scalar_f32(scale_inv, "scale_inv", data.device, "dequantize_fp8")
+    if not (data.is_contiguous() and out.is_contiguous()) or out.numel() != data.numel():
+        raise ValueError(f"dequantize_fp8: data and out must be contiguous with as many elements; got "
+                         f"{tuple(data.shape)} and {tuple(out.shape)}")
+    n = data.numel()
+    mant, bias = (3, 7) if is_e4m3 else (2, 15)
+    launch(_dequantize_kernel, (max(1, cdiv(n, CAST_BLOCK)),), data.view(torch.uint8), scale_inv, out, n,
+           IS_E4M3=is_e4m3, MANT=mant, BIAS=bias, SUBNORMAL=2.0 ** (1 - bias - mant), CVT=fp8_cvt_mode(),
+           BLOCK=CAST_BLOCK)
+    return out
+
+
+def dequantize_fp8_reference(data: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch ``dequantize_fp8``."""
+    return out.copy_((data.float() * scale_inv.float().reshape(())).view(out.shape))
 
 
 # ----------------------------------------------------------------------------------------------------------------

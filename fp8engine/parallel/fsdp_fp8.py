@@ -13,7 +13,7 @@
    backward (``reshard_after_forward``'s re-gather, a recompute) reuses the forward's scale: the autocast exit
    has updated the state's scale since, and the parameter autograd saved must get back the forward's values.
 2. the all-gather moves ``uint8`` bytes;
-3. post: the gathered FP8 weight is dequantized (``q * scale_inv`` in fp32, rounded once; one pass) into the
+3. post: the gathered FP8 weight is dequantized (``q * scale_inv`` in fp32, rounded once; one kernel) into the
    unsharded parameter in ``param_dtype``. The module's own cast of it (same scale) gives back exactly the
    gathered FP8 bits: the dequantized value lies within bf16's rounding of ``q * scale_inv``, far inside half an
    FP8 step, so the GEMMs use the bits that crossed the wire. What differs from a bf16 all-gather: the weight the
@@ -125,21 +125,22 @@ class FP8AllGatherWeight(torch.Tensor):
             scale = scale.clone()  # this gather's own copy (the state's buffer is updated in place)
             self._forward_scale = (scale, dtype)
         q = quantize(self._data.detach(), dtype, scale)  # one cast kernel on CUDA (the same bits as the reference)
-        return (q.data.view(torch.uint8),), (q.scale_inv, dtype)
+        return (q.data.view(torch.uint8),), (q.scale_inv, dtype, q.kernels)  # (post runs the cast's backend)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None):
-        (data,), (scale_inv, dtype) = all_gather_outputs, metadata
-        # FP8 -> param_dtype is exact (every E4M3 / E5M2 value is a bf16 value); the product with the fp32 scale_inv
-        # is computed in fp32 and rounded once into the output's dtype (torch promotes no float8 operand itself)
-        values = data.view(dtype).to(param_dtype)
+        (data,), (scale_inv, dtype, kernels) = all_gather_outputs, metadata
+        # q * scale_inv in fp32, rounded once into param_dtype: one kernel (dequantize_fp8), or its reference
+        from fp8engine.kernels.cast import dequantize_fp8, dequantize_fp8_reference
+
+        dequantize = dequantize_fp8 if kernels else dequantize_fp8_reference
         if out is not None:  # FSDP2's unsharded parameter from the first all-gather, its storage re-allocated
             # refilled as FSDP2 refills its own all-gather buffers: without a version bump (autograd saved this
             # parameter in the forward; the backward's re-gather writes the same values)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-                torch.mul(values.view(out.shape), scale_inv, out=out)
+                dequantize(data.view(dtype), scale_inv, out)
             return None
-        full = values.mul_(scale_inv)
+        full = dequantize(data.view(dtype), scale_inv, torch.empty(data.shape, dtype=param_dtype, device=data.device))
         return full, (full,)
 
 

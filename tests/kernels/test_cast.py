@@ -209,3 +209,32 @@ def test_an_amax_in_the_inputs_dtype_gives_the_fp32_amaxs_bits(device, dtype, tr
     with pytest.raises(TypeError, match="scale"):  # an amax of another dtype: refused as before
         cast_to_fp8(x, amax.to(torch.float16 if dtype == torch.bfloat16 else torch.bfloat16),
                     torch.float8_e4m3fn, scale_from_amax=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("out_dtype", HP_DTYPES)
+def test_dequantize_every_fp8_value(device, fp8_dtype, out_dtype):
+    """All 256 bit patterns (normals, subnormals, zeros, NaN, E5M2's infinities), tiled past one block's end, times a
+    scale_inv that is not a power of two: the kernel's integer decode and single rounding give the reference's bits
+    exactly (NaNs compared as NaN)."""
+    from fp8engine.kernels.cast import dequantize_fp8, dequantize_fp8_reference
+
+    data = torch.arange(256, dtype=torch.uint8, device=device).repeat(40).view(fp8_dtype)  # 10240 > one block
+    scale_inv = torch.tensor([0.3711], device=device)
+    got = dequantize_fp8(data, scale_inv, torch.empty(data.shape, dtype=out_dtype, device=device))
+    want = dequantize_fp8_reference(data, scale_inv, torch.empty(data.shape, dtype=out_dtype, device=device))
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok], want[ok])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequantize_rejects_bad_arguments(device):
+    from fp8engine.kernels.cast import dequantize_fp8
+
+    data = torch.zeros(8, dtype=torch.float8_e4m3fn, device=device)
+    with pytest.raises(ValueError, match="as many elements"):
+        dequantize_fp8(data, torch.ones(1, device=device), torch.empty(9, device=device))
+    with pytest.raises(TypeError, match="1-element float32"):
+        dequantize_fp8(data, torch.ones(2, device=device), torch.empty(8, device=device))

@@ -83,7 +83,7 @@ def _check_fp8_all_gather(rank, world_size, recipe_name):
     local = layer.weight._local_tensor
     assert isinstance(local, FP8AllGatherWeight)
     with fp8engine.fp8_autocast(True, recipe, fp8_group=dist.group.WORLD):
-        (q,), (scale_inv, dtype) = local.fsdp_pre_all_gather(mesh, None, None, None, None)
+        (q,), (scale_inv, dtype, _) = local.fsdp_pre_all_gather(mesh, None, None, None, None)
         assert q.dtype == torch.uint8 and q.element_size() == 1  # half of bf16's bytes
         gathered = torch.empty(world_size * q.numel(), dtype=torch.uint8)
         dist.all_gather_into_tensor(gathered, q.reshape(-1))
