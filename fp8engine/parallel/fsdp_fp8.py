@@ -8,7 +8,8 @@
    cast kernel on CUDA) with the weight's scale *for the whole weight*:
    delayed scaling: the module's scale for that weight row (``ScalingState.scale``, the same on every rank: the
    amax histories are MAX-reduced over the data-parallel group); current scaling: ``fp8_max / amax`` of the whole
-   weight, its amax the MAX of the shards' amaxes (one small all-reduce over the FSDP group). Quantization is
+   weight, its amax the MAX of the shards' amaxes (one all-reduce over the FSDP group for all weights per forward,
+   :class:`CurrentScales`). Quantization is
    element-wise, so the gathered bytes equal the cast of the unsharded weight bit for bit. A gather inside the
    backward (``reshard_after_forward``'s re-gather, a recompute) reuses the forward's scale: the autocast exit
    has updated the state's scale since, and the parameter autograd saved must get back the forward's values.
@@ -26,6 +27,7 @@ changes how the sharded weight is all-gathered; the optimizer updates its high-p
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -38,7 +40,7 @@ from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import current_scale, quantize
 from fp8engine.recipe import CurrentScaling, DelayedScaling
 
-__all__ = ["FP8AllGatherWeight", "WeightScale", "enable_fp8_all_gather", "fp8_weight_rows", "unwrap_state_dict"]
+__all__ = ["CurrentScales", "FP8AllGatherWeight", "WeightScale", "enable_fp8_all_gather", "fp8_weight_rows", "unwrap_state_dict"]
 
 aten = torch.ops.aten
 #: Ops whose outputs stay wrapped (FSDP2's sharding: chunk, pad, copy, view; DTensor's detach): torchao's list.
@@ -49,23 +51,54 @@ _KEEP_WRAPPED = {aten.detach.default, aten.empty_like.default, aten.new_zeros.de
 _WEIGHT_GEMM = {"weight": 0, "fc1_weight": 0, "fc2_weight": 1}
 
 
+class CurrentScales:
+    """Current scaling's weight scales for every FP8 all-gather weight of one model, in rounds (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``, done lazily): a round takes the amax of every registered shard
+    (``torch._foreach_norm``, order inf: ``max |x|``, exact), MAX-reduces them over the FSDP group in *one*
+    all-reduce and keeps each weight's scale (:func:`~fp8engine.fp8.float8_tensor.current_scale` of the global amax)
+    for its own gather. A kept scale is served once, and only inside the FP8 region (``fp8_autocast`` entry) whose
+    first gather started the round: the optimizer steps outside the region, so the weights are those measured; a
+    shard gathered for the first time registers and starts a round. So the first forward runs one round per weight,
+    every later forward one round in all. Every rank gathers the same weights in the same order, so the rounds
+    (collectives) match across ranks."""
+
+    def __init__(self):
+        self._shards: list = []  # weakrefs to the registered shards, in registration order
+        self._kept: dict = {}  # id(shard) -> (weakref, scale [1]) of this round not yet served
+        self._region = None  # the FP8 context the round was taken in
+
+    def scale(self, shard: torch.Tensor, group, dtype: torch.dtype) -> torch.Tensor:
+        region = get_fp8_context()
+        kept = self._kept.pop(id(shard), None) if region is self._region else None
+        if kept is not None and kept[0]() is shard:
+            return kept[1]
+        if not any(ref() is shard for ref in self._shards):
+            self._shards.append(weakref.ref(shard))
+        self._shards = [ref for ref in self._shards if ref() is not None]
+        shards = [ref() for ref in self._shards]
+        amax = torch.stack(torch._foreach_norm([t.detach() for t in shards], float("inf"))).float()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        scales = current_scale(amax, dtype)
+        self._kept = {id(t): (ref, scales[i:i + 1]) for i, (t, ref) in enumerate(zip(shards, self._shards))}
+        self._region = region
+        return self._kept.pop(id(shard))[1]
+
+
 class WeightScale:
     """Where a weight's FP8 scale comes from: its module's :class:`~fp8engine.fp8.state.ScalingState` and the
-    state's weight row. ``__call__(shard, group)`` -> ``(scale [1] float32, fp8 dtype)`` for the active recipe
-    (DelayedScaling or CurrentScaling; E4M3 unless the format's forward half is E5M2); outside an FP8 region the
-    delayed-scaling scale of the state, in E4M3."""
+    state's weight row, and the model's :class:`CurrentScales`. ``__call__(shard, group)`` -> ``(scale [1] float32,
+    fp8 dtype)`` for the active recipe (DelayedScaling or CurrentScaling; E4M3 unless the format's forward half is
+    E5M2); outside an FP8 region the delayed-scaling scale of the state, in E4M3."""
 
-    def __init__(self, state: nn.Module, row: int):
-        self.state, self.row = state, row
+    def __init__(self, state: nn.Module, row: int, current: CurrentScales):
+        self.state, self.row, self.current = state, row, current
 
     def __call__(self, shard: torch.Tensor, group) -> tuple[torch.Tensor, torch.dtype]:
         ctx = get_fp8_context()
         recipe = ctx.recipe if ctx is not None else DelayedScaling()
         dtype = fp8_dtype_of(recipe.fp8_format.fwd)
         if isinstance(recipe, CurrentScaling):
-            amax = shard.detach().abs().amax().float().reshape(1)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-            return current_scale(amax, dtype), dtype
+            return self.current.scale(shard, group, dtype), dtype
         if not isinstance(recipe, DelayedScaling):
             raise TypeError(f"the FP8 all-gather supports DelayedScaling and CurrentScaling; got "
                             f"{type(recipe).__name__} (shard_model(..., fp8_all_gather=False) for it)")
@@ -166,9 +199,10 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> int:
     returns how many were wrapped. Call before ``fully_shard`` (what :func:`fp8engine.parallel.fsdp.shard_model`
     does with ``fp8_all_gather=True``)."""
     rows = [r for r in fp8_weight_rows(model) if r[0]._parameters[r[1]].shape[0] % world_size == 0]
+    current = CurrentScales()
     for module, name, state, row in rows:
         param = module._parameters[name]
-        wrapped = nn.Parameter(FP8AllGatherWeight(param.data, WeightScale(state, row)),
+        wrapped = nn.Parameter(FP8AllGatherWeight(param.data, WeightScale(state, row, current)),
                                requires_grad=param.requires_grad)
         wrapped.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
         module._parameters[name] = wrapped

@@ -164,3 +164,59 @@ def test_fp8_all_gather_moves_one_byte_per_gemm_weight_element():
     """``python -m fp8engine.bench comm --fsdp-model``'s count on 2 gloo ranks: the bytes FSDP2 all-gathers in one
     forward are exactly the dtype arithmetic (about 0.55x with the FP8 all-gather for this GPT; 0.540x for 1b)."""
     run_ranks(_check_gathered_bytes, 2)
+
+
+def _check_current_scales_batched(rank, world_size):
+    """Current scaling with the FP8 all-gather: from the second forward on, one amax all-reduce for all the weights
+    (CurrentScales' round) instead of one per weight, and the gathered weights equal the cast of the whole weight
+    with ``fp8_max / max |W|`` bit for bit (the per-weight rule), also after an optimizer step changed them."""
+    from fp8engine.fp8.dtypes import fp8_max_of
+    from fp8engine.fp8.float8_tensor import current_scale
+    from fp8engine.parallel.fsdp_fp8 import FP8AllGatherWeight, fp8_weight_rows
+
+    torch.manual_seed(0)
+    model = GPT(_CONFIG)
+    n_weights = len(fp8_weight_rows(model))
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard_model(model, mesh, model.layers, fp8_all_gather=True, reshard_after_forward=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen, reduces = [], []
+    original_post, original_reduce = FP8AllGatherWeight.fsdp_post_all_gather, dist.all_reduce
+
+    def recording(self, outputs, metadata, param_dtype, *, out=None):
+        result = original_post(self, outputs, metadata, param_dtype, out=out)
+        seen.append((self, (out if out is not None else result[0]).detach().clone()))
+        return result
+
+    def counting(tensor, *args, **kwargs):
+        reduces.append(tensor.numel())
+        return original_reduce(tensor, *args, **kwargs)
+
+    FP8AllGatherWeight.fsdp_post_all_gather, dist.all_reduce = recording, counting
+    try:
+        tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(rank))
+        for step in range(3):
+            seen.clear()
+            reduces.clear()
+            with fp8engine.fp8_autocast(True, fp8engine.CurrentScaling(), fp8_group=dist.group.WORLD):
+                loss = model(tokens, tokens.roll(-1, 1))
+            amax_reduces = [n for n in reduces if n > 1 or n_weights == 1]
+            if step > 0:  # one round of n_weights amaxes (the first forward registers the weights one by one)
+                assert amax_reduces == [n_weights], reduces
+            assert len(seen) == n_weights
+            for wrapper, gathered in seen:
+                full = torch.cat([torch.empty_like(wrapper._data)] * world_size)
+                dist.all_gather_into_tensor(full, wrapper._data.detach())
+                dtype = torch.float8_e4m3fn
+                scale = current_scale(full.abs().amax(), dtype)
+                want = (full * scale).clamp(-fp8_max_of(dtype), fp8_max_of(dtype)).to(dtype).float() * scale.reciprocal()
+                torch.testing.assert_close(gathered, want.view(gathered.shape), rtol=0, atol=0, msg=f"step {step}")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        FP8AllGatherWeight.fsdp_post_all_gather, dist.all_reduce = original_post, original_reduce
+
+
+def test_current_scaling_all_gather_reduces_all_amaxes_at_once():
+    run_ranks(_check_current_scales_batched, 2)
