@@ -186,10 +186,10 @@ def quantize_torch(x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor,
 
 
 def current_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Current-scaling scale ``fp8_max / amax`` as a 1-element float32 tensor (1.0 where amax is 0 or not finite),
-    rounded as torch rounds ``fp8_max / amax``: the reciprocal of the amax times fp8_max (the cast kernels'
-    ``scale_from_amax`` path computes the same on the device)."""
-    amax = amax.float().reshape(1)
+    """Current-scaling scale ``fp8_max / amax`` as a float32 tensor ``[n]`` for ``n`` amaxes (``[1]`` for one; 1.0
+    where an amax is 0 or not finite), rounded as torch rounds ``fp8_max / amax``: the reciprocal of the amax times
+    fp8_max (the cast kernels' ``scale_from_amax`` path computes the same on the device)."""
+    amax = amax.float().reshape(-1)
     ok = (amax > 0) & (amax < float("inf"))
     return torch.where(ok, torch.reciprocal(torch.where(ok, amax, 1.0)) * fp8_max_of(fp8_dtype), 1.0)
 
