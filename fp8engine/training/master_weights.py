@@ -13,8 +13,10 @@ For every FP8 weight ``w`` (``[N, K]`` float8, with its module's ``<name>_scale_
   in place).
 
 The other parameters (norms, biases, embeddings) are the inner optimizer's as usual. Data parallel: a
-:class:`~fp8engine.parallel.data_parallel.GradientAverager` of the replicas averages each ``main_grad`` in place (an FP8
-weight's bucket is fp32 whenever the averager was built) and the ``.grad`` of the others; every replica then writes the same FP8 bytes. FSDP2 cannot shard FP8 primary weights (:func:`fp8engine.parallel.fsdp.shard_model` says why).
+:class:`~fp8engine.parallel.data_parallel.GradientAverager` of the replicas averages each ``main_grad`` in place
+(an FP8 weight's bucket is fp32 whenever the averager was built) and the ``.grad`` of the others; every replica
+then writes the same FP8 bytes. FSDP2 cannot shard FP8 primary weights (:func:`fp8engine.parallel.fsdp.shard_model`
+says why).
 """
 from __future__ import annotations
 
