@@ -40,7 +40,8 @@ from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import current_scale, quantize
 from fp8engine.recipe import CurrentScaling, DelayedScaling
 
-__all__ = ["CurrentScales", "FP8AllGatherWeight", "WeightScale", "enable_fp8_all_gather", "fp8_weight_rows", "unwrap_state_dict"]
+__all__ = ["CurrentScales", "FP8AllGatherWeight", "WeightScale", "enable_fp8_all_gather", "fp8_weight_rows",
+           "unwrap_state_dict"]
 
 aten = torch.ops.aten
 #: Ops whose outputs stay wrapped (FSDP2's sharding: chunk, pad, copy, view; DTensor's detach): torchao's list.
