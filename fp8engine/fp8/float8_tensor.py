@@ -120,9 +120,9 @@ def use_kernels(x: torch.Tensor) -> bool:
     """The one backend predicate of the package: True when an op on ``x`` runs the Triton kernels (and cuBLASLt
     where it applies), False when it runs the plain-PyTorch reference. True for a CUDA tensor whose device can run
     the kernels (``kernels_available``, cached per device: the hot path pays a dict look-up), and for any tensor
-    inside :func:`kernels_forced`. It is asked once where a call enters the FP8 code (:func:`get_quantizers
-    <fp8engine.fp8.quantizer.get_quantizers>`, whose quantizers and the FP8 tensors they write carry the answer as
-    ``kernels`` to every op, GEMM and transpose after them; the scale update; the fused LM loss; :func:`quantize`).
+    inside :func:`kernels_forced`. Asked once where a call enters (:func:`~fp8engine.fp8.quantizer.get_quantizers`,
+    whose quantizers carry it as ``kernels`` to every op, FP8 tensor and scale update after them; else
+    :func:`~fp8engine.fp8.quantizer.call_kernels`; the fused LM loss; :func:`quantize`).
     Under ``torch.compile`` the torch path is taken (Dynamo does not trace into the Triton launchers or the ctypes
     cuBLASLt calls; Inductor generates the fused casts itself)."""
     if torch.compiler.is_compiling():

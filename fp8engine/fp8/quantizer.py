@@ -15,9 +15,9 @@ Recipes (``kind``):
   objects instead (1 x 128 / 128 x 128 block scales, just in time; nothing recorded), built and cached the same way.
 
 Backend: :func:`get_quantizers` asks :func:`fp8engine.fp8.float8_tensor.use_kernels` once (the Triton kernels on
-CUDA, the plain-PyTorch reference on CPU and in ``torch.compile`` traces) and its quantizers carry the answer as
-``kernels``: the ops they are handed, and the FP8 tensors they write, run that backend without asking again. Both
-backends give the same FP8 bits for the same scale.
+CUDA, the plain-PyTorch reference on CPU and in ``torch.compile`` traces); the quantizers, the FP8 tensors they write
+and the state's scale update run that answer (``kernels``) without asking again. A call without quantizers asks once
+where it enters (:func:`call_kernels`). Both backends give the same FP8 bits for the same scale.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import Float8Tensor, current_scale, quantize_torch, use_kernels
 from fp8engine.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling
 
-__all__ = ["Quantizer", "LinearQuantizers", "get_quantizers", "recipe_kind"]
+__all__ = ["Quantizer", "LinearQuantizers", "get_quantizers", "call_kernels", "recipe_kind"]
 
 #: Quantizer sets kept per state (one per recipe x record flag); more than this and the cache starts over.
 _CACHE_SIZE = 8
@@ -272,8 +272,8 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
     records FP8 stats (:func:`~fp8engine.fp8.stats.fp8_stats_recording`, which swaps in a second cache) the
     quantizers count their casts; traced (``torch.compile``) ones never do. The backend (``kernels``) is chosen
     here, once per call, by :func:`~fp8engine.fp8.float8_tensor.use_kernels` on the state's buffers (the module's
-    device). Raises TypeError for a recipe without
-    quantizers (:func:`recipe_kind`)."""
+    device), kept as ``state.kernels`` for its update. Raises TypeError for a recipe without quantizers
+    (:func:`recipe_kind`)."""
     recipe = ctx.recipe
     delayed = isinstance(recipe, DelayedScaling)
     if torch.compiler.is_compiling():
@@ -283,17 +283,20 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
             from fp8engine.fp8.library import frozen_scale
 
             state.compiled_backward = True
+            state.kernels = _cast_ops.compiled_kernel_ops(state.scale)  # its update: kernels where casts trace as ops
             if state.amax_history.shape[1] != recipe.amax_history_len:
                 state.resize_history(recipe.amax_history_len)
                 state.history_from_graph = True
             ctx.register(state)
             return _build(state, recipe, ctx.record_amax, False, fwd_scale=frozen_scale(state.scale))
         return _build(state, recipe, ctx.record_amax, False)
+    cache, record, kernels = state._quantizers, ctx.record_amax, use_kernels(state.scale)
     if delayed:
         if state.amax_history.shape[1] != recipe.amax_history_len:
             state.resize_history(recipe.amax_history_len)
+        if state.kernels != kernels:  # its update's backend (written on a change only: nn.Module.__setattr__)
+            state.kernels = kernels
         ctx.register(state)
-    cache, record, kernels = state._quantizers, ctx.record_amax, use_kernels(state.scale)
     # fast path, the steady state of training: the same recipe object as the last call (identity checks only;
     # hashing the recipe dataclass hashes all its fields)
     last = cache.get(None)
@@ -310,3 +313,9 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
         cache[key] = hit
     cache[None] = (recipe, record, hit[0], hit[1], hit[2], kernels)
     return hit[2]
+
+
+def call_kernels(x: torch.Tensor, quantizers: Optional[tuple[LinearQuantizers, ...]] = None) -> bool:
+    """The backend (``kernels``) of a module or functional-op call, chosen where it enters and passed to its ops: its
+    ``quantizers``' under FP8 (:func:`get_quantizers` chose it), else :func:`use_kernels` on its input ``x``."""
+    return quantizers[0].input.kernels if quantizers else use_kernels(x)

@@ -48,6 +48,7 @@ class ScalingState(nn.Module):
         #: of the compiled graph, memory that ``mode="reduce-overhead"`` (CUDA graphs) reuses on its next replay;
         #: the next update copies it out first (:func:`reduce_and_update`)
         self.history_from_graph = False
+        self.kernels = False  #: its quantizers' backend (fp8.quantizer.get_quantizers), which its update runs too
         self._fp8_max_cache: dict = {}
         #: (recipe, record_amax) -> (scale, amax_history, LinearQuantizers per GEMM); see fp8.quantizer
         self._quantizers: dict = {}
@@ -141,13 +142,12 @@ def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, am
     for all tensors), then new scales and rolled histories (TransformerEngine's rule, see
     :func:`fp8engine.fp8.scaling.update_fp8_scale`). A NaN/inf/zero amax keeps the previous scale.
 
-    On the kernel path (every update recomputes the scales: ``interval == 1``, one history length, a named
-    ``amax_compute_algo``) it is one launch for all states, update counters included, planned once per set of
-    buffers (the plan holds them: a buffer replaced -- ``.to()``, a history resize, a load -- plans again)."""
+    On the kernel path (the states' ``kernels``, their quantizers' backend; ``interval == 1``, one history length,
+    a named ``amax_compute_algo``) it is one launch for all states, update counters included, planned once per set
+    of buffers (the plan holds them: a buffer replaced -- ``.to()``, a history resize, a load -- plans again)."""
     states = list(states)
     if not states:
         return
-    from fp8engine.fp8.float8_tensor import use_kernels
     from fp8engine.fp8.library import fold_grad_amax
 
     for st in states:
@@ -163,7 +163,7 @@ def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, am
     first = bufs[0][0]
     # The fused kernel takes one update flag for all states, so it serves interval == 1 (every update
     # recomputes scales); other intervals use the per-state torch path.
-    if recipe.interval == 1 and not callable(recipe.amax_compute_algo) and use_kernels(first):
+    if recipe.interval == 1 and not callable(recipe.amax_compute_algo) and all(st.kernels for st in states):
         # (the plan holds the tensors it was made for, so their ids are not reused while it is cached)
         key = (recipe.fp8_format, recipe.margin, recipe.amax_compute_algo,
                tuple((id(h), id(sc), id(c), h.data_ptr()) for h, sc, c in bufs))

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from fp8engine.fp8.quantizer import call_kernels
 from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
 from fp8engine.modules.fp8_init import fp8_init_config
 from fp8engine.ops.init import init_linear_params
@@ -114,8 +115,9 @@ def new_param(t: torch.Tensor, dtype, device) -> nn.Parameter:
 # ---------------------------------------------------------------------------------------------------------------
 # The input norm and the outputs shared by LayerNormLinear and LayerNormMLP.
 # ---------------------------------------------------------------------------------------------------------------
-def input_norm(module, x: torch.Tensor, quantizer, residual: Optional[torch.Tensor]):
-    """The input norm of a LayerNorm + GEMM module (``LayerNormLinear``, ``LayerNormMLP``): ``(ln, ln_fp8, s)``.
+def input_norm(module, x: torch.Tensor, quantizer, residual: Optional[torch.Tensor], kernels: bool):
+    """The input norm of a LayerNorm + GEMM module (``LayerNormLinear``, ``LayerNormMLP``): ``(ln, ln_fp8, s)``;
+    ``kernels``: the module call's backend (:func:`~fp8engine.fp8.quantizer.call_kernels`).
 
     Under FP8 (``quantizer``: the first GEMM's input role) and without sequence parallelism the norm op also
     writes the FP8 copy (on the kernel path in the norm kernel, ``ln`` then only a gradient carrier unless
@@ -126,7 +128,7 @@ def input_norm(module, x: torch.Tensor, quantizer, residual: Optional[torch.Tens
     common = dict(rms=module._rms, zero_centered_gamma=module.zero_centered_gamma, residual=residual)
     common["return_input"] = True
     if quantizer is None or module.sequence_parallel:
-        ln, s = norm(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, **common)
+        ln, s = norm(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, kernels=kernels, **common)
         return ln, None, s
     return norm_cast(x, module.layer_norm_weight, module.layer_norm_bias, module.eps, quantizer=quantizer,
                      transpose=torch.is_grad_enabled(),
@@ -267,12 +269,13 @@ class LayerNormLinear(FP8Module):
         if quantizers is not None and x.dtype not in FP8_INPUT_DTYPES:
             check_fp8_input(x, type(self).__name__)
         q = None if quantizers is None else quantizers[0]
+        kernels = call_kernels(x, quantizers)  # this call's backend: its norm's and its QKV split's
         weight, bias = self._weight_bias()
         if self.normalization is None:
             ln = s = x if residual is None else x + residual
             ln_fp8 = None
         else:
-            ln, ln_fp8, s = input_norm(self, x, None if q is None else q.input, residual)
+            ln, ln_fp8, s = input_norm(self, x, None if q is None else q.input, residual, kernels)
         fuse = self.fuse_wgrad_accumulation
         if q is not None:  # the op communicates (module docstring)
             w_fp8 = self.fp8_weight("weight", weight, q.weight, is_first_microbatch)
@@ -285,7 +288,7 @@ class LayerNormLinear(FP8Module):
         total = enter_column_parallel(ln, self.tp_group, self.sequence_parallel)
         out = self.hp_linear(total, self._weight_names[0], weight, bias)
         if qkv_split is not None:
-            out = split_grouped_qkv(out, *qkv_split, freqs=qkv_rope)
+            out = split_grouped_qkv(out, *qkv_split, freqs=qkv_rope, kernels=kernels)
         return norm_module_outputs(self, out, ln, s, return_norm_input)
 
     def extra_repr(self) -> str:

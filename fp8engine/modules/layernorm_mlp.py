@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
+from fp8engine.fp8.quantizer import call_kernels
 from fp8engine.modules.base import FP8_INPUT_DTYPES, FP8Module, check_fp8_input
 from fp8engine.modules.layernorm_linear import (check_choice, check_divisible, enter_column_parallel,
                                                 exit_row_parallel, input_norm, master_weight, new_param,
@@ -117,7 +118,7 @@ class LayerNormMLP(FP8Module):
             return norm_module_outputs(self, y, ln, s, return_norm_input)
         # Row-parallel fc2 adds its bias after the reduction; unsharded, the GEMM adds it.
         fc2_bias = self.fc2_bias if self.tp_group is None else None
-        ln, _, s = input_norm(self, x, None, residual)
+        ln, _, s = input_norm(self, x, None, residual, call_kernels(x))
         h = self.hp_linear(enter_column_parallel(ln, self.tp_group, self.sequence_parallel), "fc1_weight",
                            self.fc1_weight, self.fc1_bias)
         y = self.hp_linear(activation(h, self.activation), "fc2_weight", self.fc2_weight, fc2_bias)
@@ -128,7 +129,7 @@ class LayerNormMLP(FP8Module):
     def _fp8_forward(self, x, quantizers, is_first_microbatch, residual):
         """FP8: the MLP op with fc1's and fc2's communication (fc2's bias added after its reduction)."""
         fc1, fc2 = quantizers
-        ln, ln_fp8, s = input_norm(self, x, fc1.input, residual)
+        ln, ln_fp8, s = input_norm(self, x, fc1.input, residual, fc1.input.kernels)
         w1 = self.fp8_weight("fc1_weight", self.fc1_weight, fc1.weight, is_first_microbatch)
         w2 = self.fp8_weight("fc2_weight", self.fc2_weight, fc2.weight, is_first_microbatch)
         mlp = fp8_mlp if self.fused else _unfused_fp8_mlp

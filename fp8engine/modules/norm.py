@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fp8engine.fp8.quantizer import call_kernels
 from fp8engine.ops.norm_linear import norm
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -25,7 +26,8 @@ class _Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., hidden_size]`` -> same shape and dtype."""
-        return norm(x, self.weight, self.bias, self.eps, rms=self._rms, zero_centered_gamma=self.zero_centered_gamma)
+        return norm(x, self.weight, self.bias, self.eps, rms=self._rms, kernels=call_kernels(x),
+                    zero_centered_gamma=self.zero_centered_gamma)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"

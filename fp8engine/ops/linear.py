@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from fp8engine.fp8.block_quantizer import BLOCK_DTYPES, block_quantizers_for
-from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
-from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
+from fp8engine.fp8.float8_tensor import Float8Tensor
+from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer, call_kernels
 from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.block_gemm import check_block_dims
 from fp8engine.ops.comm import LinearComm
@@ -331,7 +331,7 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         x: ``[*, K]`` bf16 / fp32. weight: ``[N, K]`` bf16 / fp32. bias: ``[N]`` or None.
         recipe: a :class:`Float8BlockScaling` (default ``Float8BlockScaling()``: E4M3, power-of-two scales).
         kernels: Triton cast kernels (True), the plain-PyTorch references (False), or
-            :func:`~fp8engine.fp8.float8_tensor.use_kernels`'s choice (None: the kernels on CUDA).
+            :func:`~fp8engine.fp8.quantizer.call_kernels`'s choice for ``x`` (None: the kernels on CUDA).
     Returns:
         ``[*, N]`` in x's dtype.
     Raises:
@@ -348,5 +348,5 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         if t.dtype not in BLOCK_DTYPES:
             raise TypeError(f"block_linear: {name} has dtype {t.dtype}; supported: bfloat16, float32")
     check_block_dims([(weight.shape[1], weight.shape[0])], "block_linear")
-    kernels = use_kernels(x) if kernels is None else kernels  # (a functional entry: no module chose it)
+    kernels = call_kernels(x) if kernels is None else kernels  # (a functional entry: no module chose it)
     return linear(x, weight, bias, LinearQuantizers(*block_quantizers_for(recipe, 3, kernels)))

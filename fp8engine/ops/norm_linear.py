@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import Quantizer
 from fp8engine.ops.kernel_ops import compiled_kernel_ops
 
@@ -49,7 +49,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             ``placeholder=False`` it is None instead (a caller that consumes only ``y_fp8``, no autograd output).
         residual: optional ``[..., N]`` like ``x``: normalise ``x + residual`` (the residual connection in front
             of a pre-norm sublayer; in the norm kernel on CUDA, torch's add elsewhere).
-        kernels: the backend, chosen by the caller (the quantizer's ``kernels``, or :func:`norm`'s choice): the
+        kernels: the backend, chosen by the caller (the quantizer's ``kernels``, or the one :func:`norm` got): the
             Triton norm kernels, or ATen's norm and the quantizer's cast.
     Returns:
         ``(y [..., N] in x.dtype, y_fp8 Float8Tensor [M, N] or None, mean or None, rstd, s)``; ``s`` is the
@@ -247,20 +247,19 @@ def _same_dtype(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple:
     return x.to(dtype), residual.to(dtype)
 
 
-def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool,
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *, rms: bool, kernels: bool,
          zero_centered_gamma: bool = False, residual: Optional[torch.Tensor] = None, return_input: bool = False):
     """LayerNorm (``rms=False``) or RMSNorm of the last dim; ``x [..., N]`` -> ``[..., N]`` in ``x.dtype``.
-    On CPU this is exactly ``F.layer_norm`` / ``F.rms_norm`` (same ATen kernels).
+    Eager on CPU with ``kernels=False`` this is exactly ``F.layer_norm`` / ``F.rms_norm`` (same ATen kernels).
 
     ``residual`` (like x): normalise ``x + residual``. ``return_input``: return ``(y, s)`` with ``s`` the
     normalised tensor (``x`` or ``x + residual``), whose gradient is added inside the norm's backward. A
     ``residual`` of another dtype (an fp32 residual stream beside a bf16 branch under ``torch.autocast``) is
     added as PyTorch's ``x + residual`` would: both in the promoted dtype, which ``y`` and ``s`` then have.
-    Backend: the Triton norm kernels where :func:`~fp8engine.fp8.float8_tensor.use_kernels` says so (chosen here:
-    no quantizer carries the choice), else ATen's."""
+    ``kernels``: the backend, the caller's choice (:func:`~fp8engine.fp8.quantizer.call_kernels`): True the Triton
+    norm kernels, False ATen's."""
     x, residual = _same_dtype(x, residual)
-    y, _, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None, False, True, residual,
-                              use_kernels(x))
+    y, _, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, None, False, True, residual, kernels)
     return (y, s) if return_input else y
 
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from fp8engine.fp8.float8_tensor import Float8Tensor, use_kernels
+from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
 from fp8engine.kernels.qkv_grad import assemble_qkv_grad
 from fp8engine.kernels.rotary import check_rope_table, rope_qk
@@ -37,8 +37,8 @@ __all__ = ["fp8_linear_qkv", "split_grouped_qkv", "qkv_grad_fp8"]
 
 def split_rotate(y: torch.Tensor, split: tuple, freqs: Optional[torch.Tensor], kernels: bool):
     """``y [s, b, C]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d], rope)``: views of ``y``, or with
-    rotary angles ``freqs [s, 1, 1, r]`` q and k rotated (new tensors: one kernel pass from ``y``,
-    :func:`fp8engine.kernels.rotary.rope_qk`, with ``kernels``, the caller's backend; else :func:`fp8engine.ops.rotary.rope_fwd`, the
+    rotary angles ``freqs [s, 1, 1, r]`` q and k rotated (new tensors: with ``kernels``, the caller's backend, one
+    kernel pass from ``y``, :func:`fp8engine.kernels.rotary.rope_qk`; else :func:`fp8engine.ops.rotary.rope_fwd`, the
     same bits) and ``rope = (cos, sin)`` in ``y``'s dtype for the backward (None without ``freqs``)."""
     q, k, v = qkv_views(y, *split)
     if freqs is None:
@@ -62,9 +62,8 @@ class _SplitGroupedQKV(torch.autograd.Function):
     and add the three up), after the rotation's gradient."""
 
     @staticmethod
-    def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int, freqs=None):
-        # (no quantizer carries a backend here: the high-precision QKV chooses its own)
-        q, k, v, ctx.rope = split_rotate(mixed, (groups, heads_per_group, head_dim), freqs, use_kernels(mixed))
+    def forward(ctx, mixed, groups: int, heads_per_group: int, head_dim: int, freqs, kernels: bool):
+        q, k, v, ctx.rope = split_rotate(mixed, (groups, heads_per_group, head_dim), freqs, kernels)
         ctx.hpg = heads_per_group
         return q, k, v
 
@@ -72,15 +71,15 @@ class _SplitGroupedQKV(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         if ctx.rope is not None:
             dq, dk = unrotate_grads(dq, dk, ctx.rope)
-        return assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg), None, None, None, None
+        return assemble_qkv_grad(dq, dk, dv, heads_per_group=ctx.hpg), None, None, None, None, None
 
 
 def split_grouped_qkv(mixed: torch.Tensor, groups: int, heads_per_group: int, head_dim: int,
-                      freqs: Optional[torch.Tensor] = None):
+                      freqs: Optional[torch.Tensor] = None, *, kernels: bool):
     """``mixed [s, b, g * (hpg + 2) * d]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d])``: views, or
     with rotary angles ``freqs [s, 1, 1, r]`` (:class:`fp8engine.modules.attention.RotaryEmbedding`) q and k
-    rotated (``rope_fwd``'s bits, new tensors) and v a view."""
-    return _SplitGroupedQKV.apply(mixed, groups, heads_per_group, head_dim, freqs)
+    rotated (``rope_fwd``'s bits, new tensors; ``kernels``: the caller's backend, :func:`split_rotate`), v a view."""
+    return _SplitGroupedQKV.apply(mixed, groups, heads_per_group, head_dim, freqs, kernels)
 
 
 class _FP8LinearQKV(torch.autograd.Function):

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from fp8engine.fp8.quantizer import call_kernels
 from fp8engine.ops.norm_linear import norm
 from fp8engine.parallel.fp8_comm import all_gather_dim0
 from fp8engine.parallel.layers import init_full_linear
@@ -27,7 +28,7 @@ __all__ = ["rms_norm", "reduce_scatter_residual_rmsnorm_all_gather", "InferenceL
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, in ``x.dtype``: the package's one RMSNorm
     (:func:`fp8engine.ops.norm_linear.norm`: ``F.rms_norm``'s kernel on CPU, the Triton norm kernel on CUDA)."""
-    return norm(x, weight, None, eps, rms=True)
+    return norm(x, weight, None, eps, rms=True, kernels=call_kernels(x))
 
 
 def _reduce_scatter_dim0(partial: torch.Tensor, group) -> torch.Tensor:

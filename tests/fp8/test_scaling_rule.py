@@ -94,20 +94,19 @@ def test_kernel_update_equals_torch_update_and_counts_steps(device):
         pytest.skip("no CUDA device")
     if device == "cpu" and not interpreting():
         pytest.skip("the kernel path on CPU needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
-    from fp8engine.fp8.float8_tensor import kernels_forced
-
     recipe = fe.DelayedScaling(amax_history_len=3, margin=1)
     roles = ("input", "weight", "grad_output")
     kern = [ScalingState(roles, amax_history_len=3, device=device) for _ in range(3)]
     ref = [ScalingState(roles, amax_history_len=3, device=device) for _ in range(3)]
+    for st in kern:
+        st.kernels = True  # as get_quantizers leaves a state whose quantizers run the kernels
     gen = torch.Generator().manual_seed(0)
     for step in range(4):
         for a, b in zip(kern, ref):
             amax = (torch.rand(3, generator=gen) * 10).to(device)
             a.amax_history[:, 0] = amax
             b.amax_history[:, 0] = amax
-        with kernels_forced(device == "cpu"):
-            reduce_and_update(kern, recipe)
+        reduce_and_update(kern, recipe)
         reduce_and_update(ref, fe.DelayedScaling(amax_history_len=3, margin=1, interval=1,
                                                  amax_compute_algo=lambda h: h.amax(-1)))  # the torch path
         for a, b in zip(kern, ref):
@@ -121,7 +120,6 @@ def test_kernel_update_follows_replaced_buffers(device, monkeypatch):
     (a new tensor) is planned again and updated, not the old one; a ``load_state_dict`` (copied in place) keeps the
     plan. Same scales, histories and counters as the torch path throughout."""
     from fp8engine.fp8 import state as state_mod
-    from fp8engine.fp8.float8_tensor import kernels_forced
     from fp8engine.kernels._common import interpreting
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -134,6 +132,8 @@ def test_kernel_update_follows_replaced_buffers(device, monkeypatch):
     roles = ("input", "weight", "grad_output")
     kern = [ScalingState(roles, amax_history_len=3, device=device) for _ in range(2)]
     ref = [ScalingState(roles, amax_history_len=3, device=device) for _ in range(2)]
+    for st in kern:
+        st.kernels = True  # the kernel update (the quantizers' backend, ScalingState.kernels)
     gen = torch.Generator().manual_seed(1)
 
     def step():
@@ -141,8 +141,7 @@ def test_kernel_update_follows_replaced_buffers(device, monkeypatch):
             amax = (torch.rand(3, generator=gen) * 10).to(device)
             a.amax_history[:, 0] = amax
             b.amax_history[:, 0] = amax
-        with kernels_forced(device == "cpu"):
-            state_mod.reduce_and_update(kern, recipe)
+        state_mod.reduce_and_update(kern, recipe)
         state_mod.reduce_and_update(ref, torch_recipe)
         for a, b in zip(kern, ref):
             assert torch.equal(a.scale, b.scale) and torch.equal(a.amax_history, b.amax_history)
@@ -159,3 +158,28 @@ def test_kernel_update_follows_replaced_buffers(device, monkeypatch):
     step()
     step()
     assert all(st.amax_history.shape == (3, 5) for st in kern) and len(state_mod._UPDATES) == plans + 1
+
+
+def test_exit_update_runs_the_backend_the_quantizers_chose(monkeypatch):
+    """The update at the region's exit runs the backend ``get_quantizers`` chose for the states
+    (``ScalingState.kernels``), not one chosen again there: the fused kernel for a module whose quantizers ran the
+    kernels (``kernels_forced`` around its forward only, not the exit), the torch path for one whose did not. The
+    same scales either way."""
+    from fp8engine.fp8 import state as state_mod
+    from fp8engine.fp8.float8_tensor import kernels_forced
+    from fp8engine.kernels._common import interpreting
+
+    if not interpreting():
+        pytest.skip("the kernel path on CPU needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+    monkeypatch.setattr(state_mod, "_UPDATES", {})
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3)) * 5
+    mods = [fe.Linear(16, 16), fe.Linear(16, 16)]
+    mods[1].load_state_dict(mods[0].state_dict())
+    for forced, mod in zip((True, False), mods):
+        with fe.autocast(recipe=fe.DelayedScaling(amax_history_len=4)):
+            with kernels_forced(forced):
+                mod(x)
+        assert mod.fp8_state.kernels is forced
+    assert len(state_mod._UPDATES) == 1  # one kernel update planned: the first module's
+    assert torch.equal(mods[0].fp8_state.scale, mods[1].fp8_state.scale)
+    assert torch.equal(mods[0].fp8_state.amax_history, mods[1].fp8_state.amax_history)

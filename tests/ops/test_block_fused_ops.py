@@ -49,7 +49,7 @@ def _norm_linear(fused, x, res, nw, nb, w, b, dy, ds, rms, q):
                                return_input=True, **kw)
         y = fp8_linear(ln, w, b, q, x_fp8=x_q)
     else:
-        ln, s = norm(x, nw, nb, 1e-5, return_input=True, **kw)
+        ln, s = norm(x, nw, nb, 1e-5, return_input=True, kernels=q.input.kernels, **kw)
         y = fp8_linear(ln, w, b, q)
     torch.autograd.backward([y, s], [dy, ds])
     return [y] + _grads(x, res, nw, nb, w, b)
@@ -84,7 +84,7 @@ def test_norm_cast_return_hp_and_no_grad(force_kernels):
     q = _quantizers()[0].input
     y, qx = norm_cast(x, nw, nb, 1e-5, rms=False, zero_centered_gamma=False, quantizer=q, transpose=False,
                       return_hp=True)
-    torch.testing.assert_close(y, norm(x, nw, nb, 1e-5, rms=False), rtol=0, atol=0)
+    torch.testing.assert_close(y, norm(x, nw, nb, 1e-5, rms=False, kernels=q.kernels), rtol=0, atol=0)
     assert qx.t_operand() is None and qx.shape == (256, 128) and not qx.data[150:].view(torch.uint8).any()
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fp8engine.fp8.block_quantizer import block_quantizers_for
+from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.fp8.quantizer import LinearQuantizers
 from fp8engine.kernels._common import HAS_TRITON
 from fp8engine.ops.linear import fp8_linear
@@ -31,7 +32,7 @@ def _run(fused: bool, use_kernel: bool, rope: bool, bias: bool, s=24, b=3, k=128
     if fused:
         q, kk, v = fp8_linear_qkv(x, w, bb, qs, SPLIT, freqs=freqs)
     else:
-        q, kk, v = split_grouped_qkv(fp8_linear(x, w, bb, qs), *SPLIT, freqs=freqs)
+        q, kk, v = split_grouped_qkv(fp8_linear(x, w, bb, qs), *SPLIT, freqs=freqs, kernels=use_kernels(x))
     grads = [torch.randn(t.shape, generator=g).to(torch.bfloat16).to(DEV) for t in (q, kk, v)]
     torch.autograd.backward([q, kk, v], grads)
     dq, dk = grads[0], grads[1]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from _ops_test_utils import IGNORE_INTERPRETER_WARNINGS, force_kernels, make_state  # noqa: F401 (fixture)
+from fp8engine.fp8.float8_tensor import use_kernels
 from fp8engine.ops.linear import LINEAR_ROLES, fp8_linear
 from fp8engine.ops.qkv import fp8_linear_qkv, split_grouped_qkv
 
@@ -29,7 +30,7 @@ def _run(fused, delayed, dtype, groups, hpg, d):
     if fused:
         q, k, v = fp8_linear_qkv(x, w, b, qs[0], (groups, hpg, d))
     else:
-        q, k, v = split_grouped_qkv(fp8_linear(x, w, b, qs[0]), groups, hpg, d)
+        q, k, v = split_grouped_qkv(fp8_linear(x, w, b, qs[0]), groups, hpg, d, kernels=qs[0].input.kernels)
     assert q.shape == (S, B, groups, hpg, d) and k.shape == v.shape == (S, B, groups, d)
     torch.autograd.backward((q, k, v), _grads(g, S, B, groups, hpg, d, dtype))
     return [t.detach().clone() for t in (q, k, v)] + [x.grad, w.grad, b.grad, st.amax_history.clone()]
@@ -73,7 +74,7 @@ def _run_rope(in_op, fp8, delayed, dtype, groups, hpg, d, r, rotate=True):
         q, k, v = fp8_linear_qkv(x, w, b, qs[0], (groups, hpg, d), freqs=freqs if in_op else None)
     else:
         q, k, v = split_grouped_qkv(torch.nn.functional.linear(x, w, b), groups, hpg, d,
-                                    freqs=freqs if in_op else None)
+                                    freqs=freqs if in_op else None, kernels=use_kernels(x))
     if not in_op and rotate:
         cos, sin = rope_cos_sin(freqs, dtype)
         q = rope_fwd(q.reshape(S, B, groups * hpg, d), cos, sin).view(S, B, groups, hpg, d)
@@ -104,7 +105,7 @@ def test_rotary_inside_the_qkv_op_equals_rotating_the_views(force_kernels, heads
 def test_split_grouped_qkv_rotary_needs_matching_angles():
     mixed = torch.randn(4, 2, 2 * 3 * 16)
     with pytest.raises(ValueError, match="rotated width"):
-        split_grouped_qkv(mixed, 2, 1, 16, freqs=torch.randn(4, 1, 1, 3))
+        split_grouped_qkv(mixed, 2, 1, 16, freqs=torch.randn(4, 1, 1, 3), kernels=False)
 
 
 def test_rope_tables_computed_once_per_angle_tensor():
