@@ -283,7 +283,8 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
             from fp8engine.fp8.library import frozen_scale
 
             state.compiled_backward = True
-            state.kernels = _cast_ops.compiled_kernel_ops(state.scale)  # its update: kernels where casts trace as ops
+            # its (eager) update after the compiled forward: the fused kernel for a CUDA state, as casts trace as ops
+            state.kernels = state.scale.is_cuda and _cast_ops.compiled_kernel_ops(state.scale)
             if state.amax_history.shape[1] != recipe.amax_history_len:
                 state.resize_history(recipe.amax_history_len)
                 state.history_from_graph = True
