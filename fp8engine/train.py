@@ -592,8 +592,10 @@ def _main(argv: Optional[list[str]]) -> int:
     except UsageError as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"fp8engine.train: error: {err}", file=sys.stderr, flush=True)
-        else:  # every rank found the same error; torchrun stops the others at the first exit: let rank 0 say it
-            time.sleep(2.0)
+        else:  # every rank found the same error (before a process group exists) and rank 0 says it; torchrun stops
+            # the other ranks at the first exit, so they wait for rank 0's exit instead of racing it (a fixed 2 s
+            # lost that race on a loaded host: no error line); bounded for launchers that do not stop them
+            time.sleep(60.0)
         return 2
     warning = flags.seq_len_warning(args)
     if warning and int(os.environ.get("RANK", "0")) == 0:

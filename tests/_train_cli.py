@@ -35,8 +35,7 @@ def run_train(*args, cwd=None, one_thread: bool = False, timeout: int = 600) -> 
 def run_torchrun(nproc: int, *args, timeout: int = 600) -> tuple[int, str, str]:
     """``torchrun --standalone --nproc-per-node NPROC -m fp8engine.train ARGS``, one thread per process:
     ``(returncode, stdout, stderr)``. ``--standalone``: the launcher binds its rendezvous to a port of its own
-    choosing (a port picked here and bound later can be taken meanwhile by another test's launch; suspected in one
-    failure of a 20-worker suite on a GPU host, where a launch's error line never reached its stderr)."""
+    choosing (a port picked here and bound later can be taken meanwhile by another test's launch)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "fp8engine.train", *map(str, args)]
     proc = subprocess.run(cmd, cwd=REPO, env=train_env(one_thread=True), capture_output=True, text=True,
