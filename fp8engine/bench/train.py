@@ -42,6 +42,7 @@ import gc
 import os
 import shlex
 import statistics
+import sys
 import tempfile
 import time
 
@@ -203,9 +204,11 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     from fp8engine import train as T
     from fp8engine.training.step import CUDAGraphStep
 
+    t_setup = time.perf_counter()
     run, model, step_model, optimizer = _setup(model_name, mode, args)
     step_fn = (_peer_step(run, model, optimizer) if mode in PEER_MODES
                else T.make_step(run, model, step_model, optimizer, guard=not args.no_guard))
+    t_setup = time.perf_counter() - t_setup
     tokens = run.args.batch_size * run.args.seq_len * run.layout.dp_size  # the global batch of one step
     peak_memory_gib(reset=True)
     times, losses = [], []
@@ -225,7 +228,7 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
            "model_tflops": flops / world, "mfu": flops / world / peak if peak else float("nan"),
            "peak_mem_gib": peak_memory_gib(),
            "graphed": isinstance(step_fn, CUDAGraphStep), "guard": not args.no_guard and mode not in PEER_MODES,
-           "loss_first": losses[0],
+           "setup_s": t_setup, "steps_s": sum(times), "loss_first": losses[0],
            "loss_last": losses[-1]}
     del model, step_model, optimizer, step_fn
     _release()
@@ -361,7 +364,8 @@ def _main_table(models: list[str], modes: list[str], args: argparse.Namespace) -
             base[row["model"]] = row["tokens_per_s"]
         row["vs_base"] = row["tokens_per_s"] / base[row["model"]] if row["model"] in base else float("nan")
         print(f"  {row['model']} {row['layout']} {row['mode']}: {row['step_ms']:.1f} ms/step, "
-              f"{row['tokens_per_s_per_gpu']:.0f} tok/s per GPU", flush=True)
+              f"{row['tokens_per_s_per_gpu']:.0f} tok/s per GPU, peak {row.get('peak_mem_gib', 0.0):.1f} GiB (set-up "
+              f"{row.get('setup_s', 0.0):.0f} s, steps {row.get('steps_s', 0.0):.0f} s)", flush=True)
 
     rows, failed = _rows(models, modes, _run_mode, report, args, save=lambda done: write_json(json_path, "train", done))
     print(f"vs_base: tokens/s over mode {args.baseline}'s (same model, same layout)")
@@ -378,12 +382,20 @@ def _rows(models: list[str], modes: list[str], run_one, report, args: argparse.N
     gets an ``error`` row instead (one failing mode must not hide the others' rows). ``save(rows)`` after each mode
     (the JSON so far: a run stopped by a time limit keeps the modes it finished). Returns ``(rows, failed)``."""
     rows, failed = [], False
+    world = args.layout.world_size if getattr(args, "layout", None) is not None else 1
     for model_name in models:
         for mode in modes:
             try:
                 row = run_one(model_name, mode, args)
             except Exception as err:  # the status says it failed
-                print(f"  {model_name} {mode}: FAILED: {type(err).__name__}: {err}", flush=True)
+                line = f"  {model_name} {mode}: FAILED: {type(err).__name__}: {err}"
+                if world > 1:
+                    # every rank's failure on stderr (only rank 0's stdout is shown), then out: the other ranks
+                    # wait in this mode's collectives, and a rank going on to the next mode would hang them all;
+                    # torchrun stops them when this process exits (the JSON keeps the modes finished before)
+                    print(f"[rank {args.layout.rank}]{line}", file=sys.stderr, flush=True)
+                    raise
+                print(line, flush=True)
                 rows.append({"model": model_name, "mode": mode, "error": f"{type(err).__name__}: {err}"[:200]})
                 failed = True
                 _release()

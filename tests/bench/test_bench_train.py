@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from _train_cli import free_port, train_env
 
@@ -117,3 +118,21 @@ def test_train_args_reach_the_command(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*common, "--train-args", "--no-such-option"])
     assert exc.value.code == 2
+
+
+def test_a_failing_rank_stops_the_multi_process_run(capsys):
+    """Under torchrun a mode that raises on any rank is reported on stderr with the rank and ends the run (the
+    other ranks wait in that mode's collectives; going on to the next mode would hang them all, and a rank other
+    than 0 prints its rows to /dev/null)."""
+    from types import SimpleNamespace
+
+    from fp8engine.bench import train as bench_train
+
+    args = SimpleNamespace(layout=SimpleNamespace(world_size=2, rank=1))
+
+    def fake_run(model, mode, args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        bench_train._rows(["8b"], ["bf16", "fp8-delayed"], fake_run, lambda row: None, args)
+    assert "[rank 1]  8b bf16: FAILED: OutOfMemoryError: CUDA out of memory" in capsys.readouterr().err
