@@ -172,7 +172,7 @@ class MultiheadAttention(nn.Module):
             self.layernorm_qkv = qkv
         else:
             self.qkv = qkv
-        w, b = master_weight(hidden_size, n * d, bias, output_layer_init_method or init_method)
+        w, b = master_weight(hidden_size, n * d, bias, output_layer_init_method or init_method, device)
         # row parallel under TP: [h, H d / tp] per rank, the bias added after the reduction (Linear's parallel_mode);
         # the weight is set by the init method (Linear shards it), before fp8_model_init may turn it into FP8
         self.proj = Linear(n * d, hidden_size, bias=bias, params_dtype=params_dtype, device=device,

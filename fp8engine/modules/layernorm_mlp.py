@@ -89,8 +89,9 @@ class LayerNormMLP(FP8Module):
         self.layer_norm_weight = torch.nn.Parameter(init(hidden_size, dtype=dtype, device=device))
         self.layer_norm_bias = None if self._rms else torch.nn.Parameter(
             torch.zeros(hidden_size, dtype=dtype, device=device))
-        w1, b1 = master_weight(width * ffn_hidden_size, hidden_size, bias, init_method)
-        w2, b2 = master_weight(hidden_size, ffn_hidden_size, bias, output_layer_init_method or init_method)
+        w1, b1 = master_weight(width * ffn_hidden_size, hidden_size, bias, init_method, device)
+        w2, b2 = master_weight(hidden_size, ffn_hidden_size, bias, output_layer_init_method or init_method,
+                               device)
         segments = [ffn_hidden_size] * width  # swiglu: shard gate and up separately
         self.fc1_weight = new_param(shard(w1, 0, segments, rank, tp_size), dtype, device)
         self.fc1_bias = new_param(shard(b1, 0, segments, rank, tp_size), dtype, device) if bias else None

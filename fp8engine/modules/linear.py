@@ -99,7 +99,7 @@ class Linear(FP8Module):
                     if self.bias is not None:
                         self.bias.zero_()
         else:  # tensor parallel: every rank draws the full master weight (same seed) and keeps its slice
-            w, b = master_weight(out_features, in_features, bias, init_method)
+            w, b = master_weight(out_features, in_features, bias, init_method, device)
             column = self.parallel_mode == "column"
             self.weight = new_param(shard(w, 0 if column else 1, [w.shape[0 if column else 1]], rank, tp_size), dtype,
                                     device)
