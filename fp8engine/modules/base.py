@@ -10,6 +10,7 @@ from torch import nn
 
 from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.fp8.float8_tensor import Float8Tensor, quantize_current
+from fp8engine.fp8.gathered_weight import GatheredFP8Weight
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer, get_quantizers
 from fp8engine.fp8.state import ScalingState
 from fp8engine.modules.fp8_init import FP8_PARAM_DTYPES, dequantize_weight, fp8_init_config, to_fp8_param
@@ -176,7 +177,10 @@ class FP8Module(nn.Module):
                    is_first_microbatch: Optional[bool]) -> Float8Tensor:
         """``weight`` cast by ``quantizer`` (a GEMM's weight role), through the weight cache (``name`` its key): a
         :class:`Float8Tensor`, or under block scaling a ``Float8BlockTensor``. An FP8 primary weight is not cast:
-        :meth:`_stored_fp8_weight`."""
+        :meth:`_stored_fp8_weight`; nor is a weight FSDP2 all-gathered in FP8 (:class:`GatheredFP8Weight`: its bits
+        as they came, its amax recorded unless ``is_first_microbatch`` is False)."""
+        if isinstance(weight, GatheredFP8Weight):
+            return weight.float8(quantizer, record_amax=is_first_microbatch is not False)
         if weight.dtype in FP8_PARAM_DTYPES:
             return self._stored_fp8_weight(name, weight, quantizer)
         # dgrad needs W^T whenever a backward may run (the input may require grad even if W does not).

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8engine.fp8.autocast import get_fp8_context
+from fp8engine.fp8.gathered_weight import GatheredFP8Weight
 from fp8engine.modules.attention import MultiheadAttention
 from fp8engine.modules.dot_product_attention import QKV_FORMATS, attn_mask_type_of
 from fp8engine.modules.layernorm_linear import check_choice
@@ -232,9 +233,12 @@ class TransformerLayer(nn.Module):
         cfg = attn.config
         hl, gl, d = cfg.local_heads, cfg.local_groups, cfg.head_dim
         w_qkv, b_qkv = lq._weight_bias()
-        if is_first_microbatch is None and torch.is_grad_enabled():
+        gathered = any(isinstance(w, GatheredFP8Weight)
+                       for w in (w_qkv, proj.weight, mlp.fc1_weight, mlp.fc2_weight))  # FSDP2's FP8 all-gather
+        if is_first_microbatch is None and torch.is_grad_enabled() and not gathered:
             # nothing cached across micro-batches: the fused step casts the weights itself (with its other ops,
-            # so they are recorded and replayed with it: ops.layer), as FP8WeightCache.get would
+            # so they are recorded and replayed with it: ops.layer), as FP8WeightCache.get would; FP8-gathered
+            # weights come in as their bits (fp8_weight)
             for module, name in ((lq, "weight"), (proj, "weight"), (mlp, "fc1_weight"), (mlp, "fc2_weight")):
                 module._weight_cache.discard(name)
             w_fp8 = None

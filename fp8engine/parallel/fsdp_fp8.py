@@ -13,14 +13,14 @@
    element-wise, so the gathered bytes equal the cast of the unsharded weight bit for bit. A gather inside the
    backward (``reshard_after_forward``'s re-gather, a recompute) reuses the forward's scale: the autocast exit
    has updated the state's scale since, and the parameter autograd saved must get back the forward's values.
-2. the all-gather moves ``uint8`` bytes;
-3. post: the gathered FP8 weight is dequantized (``q * scale_inv`` in fp32, rounded once; one kernel) into the
-   unsharded parameter in ``param_dtype``. The module's own cast of it (same scale) gives back exactly the
-   gathered FP8 bits: the dequantized value lies within bf16's rounding of ``q * scale_inv``, far inside half an
-   FP8 step, so the GEMMs use the bits that crossed the wire. What differs from a bf16 all-gather: the weight the
-   module sees is already on the FP8 grid, so the amax it records for delayed scaling is the max of the quantized
-   weight (at most one FP8 step from the true amax), and with current scaling it re-derives its scale from that
-   amax.
+2. the all-gather moves the ``uint8`` bytes and, in the same collective, each shard's amax (4 bytes; the cast
+   kernel measures it);
+3. post: the unsharded parameter is a :class:`~fp8engine.fp8.gathered_weight.GatheredFP8Weight` of the gathered
+   bits, the shard's ``scale_inv`` and the MAX of the shards' amaxes (torchao's ``Float8TrainingTensor`` as FSDP2's
+   unsharded parameter): the modules' GEMMs take those bits as they are (no dequantize, no re-cast), and under
+   delayed scaling the weight's amax history records the whole weight's true amax, as the module's own cast of
+   a bf16-gathered weight would. A later gather (the backward's re-gather) refills the same storage and only
+   swaps ``scale_inv`` and ``amax``.
 
 Gradients are untouched: FSDP2 reduce-scatters them in ``reduce_dtype`` as for any parameter. The wrapper only
 changes how the sharded weight is all-gathered; the optimizer updates its high-precision shard in place.
@@ -38,6 +38,7 @@ from torch import nn
 from fp8engine.fp8.autocast import get_fp8_context
 from fp8engine.fp8.dtypes import fp8_dtype_of
 from fp8engine.fp8.float8_tensor import current_scale, quantize
+from fp8engine.fp8.gathered_weight import GatheredFP8Weight
 from fp8engine.recipe import CurrentScaling, DelayedScaling
 
 __all__ = ["CurrentScales", "FP8AllGatherWeight", "WeightScale", "enable_fp8_all_gather", "fp8_weight_rows",
@@ -158,24 +159,19 @@ class FP8AllGatherWeight(torch.Tensor):
             scale, dtype = self._scale_source(self._data, mesh.get_group())
             scale = scale.clone()  # this gather's own copy (the state's buffer is updated in place)
             self._forward_scale = (scale, dtype)
-        q = quantize(self._data.detach(), dtype, scale)  # one cast kernel on CUDA (the same bits as the reference)
-        return (q.data.view(torch.uint8),), (q.scale_inv, dtype, q.kernels)  # (post runs the cast's backend)
+        amax = torch.zeros(1, dtype=torch.float32, device=self._data.device)  # this shard's max |w|
+        q = quantize(self._data.detach(), dtype, scale, amax_out=amax)  # one cast kernel on CUDA (the reference's bits)
+        # the bytes and the shard's amax (4 bytes) travel in the same all-gather; post takes the MAX of the amaxes
+        return (q.data.view(torch.uint8), amax.view(torch.uint8)), (q.scale_inv, dtype, q.kernels)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None):
-        (data,), (scale_inv, dtype, kernels) = all_gather_outputs, metadata
-        # q * scale_inv in fp32, rounded once into param_dtype: one kernel (dequantize_fp8), or its reference
-        from fp8engine.kernels.cast import dequantize_fp8, dequantize_fp8_reference
-
-        dequantize = dequantize_fp8 if kernels else dequantize_fp8_reference
-        if out is not None:  # FSDP2's unsharded parameter from the first all-gather, its storage re-allocated
-            # refilled as FSDP2 refills its own all-gather buffers: without a version bump (autograd saved this
-            # parameter in the forward; the backward's re-gather writes the same values)
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-                dequantize(data.view(dtype), scale_inv, out)
+        (data, amaxes), (scale_inv, dtype, kernels) = all_gather_outputs, metadata
+        amax = amaxes.view(torch.float32).amax(0, keepdim=True)  # the whole weight's max |w|: MAX over shards
+        if out is not None:  # a later gather: FSDP2 wrote the bits into the same storage; new scale_inv and amax
+            out.refill(scale_inv, amax)
             return None
-        full = dequantize(data.view(dtype), scale_inv, torch.empty(data.shape, dtype=param_dtype, device=data.device))
-        return full, (full,)
+        return GatheredFP8Weight(data.view(dtype), scale_inv, amax, param_dtype, kernels), (data,)
 
 
 def fp8_weight_rows(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, int]]:

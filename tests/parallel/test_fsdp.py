@@ -64,11 +64,14 @@ def test_fsdp_gpt_matches_the_unsharded_model(recipe):
 
 
 def _check_fp8_all_gather(rank, world_size, recipe_name):
-    """The FP8 all-gather's bytes equal the cast of the unsharded weight with the same scale, bit for bit, and
-    the unsharded parameter the module computes with is that FP8 weight dequantized."""
+    """The FP8 all-gather's bytes equal the cast of the unsharded weight with the same scale, bit for bit; the
+    shard's amax travels with them; the unsharded parameter the module computes with is a GatheredFP8Weight of
+    those bits (its values: the bits dequantized), and under delayed scaling the module records the whole weight's
+    true amax."""
     from fp8engine.fp8.dtypes import fp8_max_of
     from fp8engine.fp8.float8_tensor import current_scale
     from fp8engine.modules.linear import Linear
+    from fp8engine.fp8.gathered_weight import GatheredFP8Weight
     from fp8engine.parallel.fsdp_fp8 import FP8AllGatherWeight, fp8_weight_rows
 
     recipe = {"delayed": fp8engine.DelayedScaling(), "current": fp8engine.CurrentScaling()}[recipe_name]
@@ -83,8 +86,9 @@ def _check_fp8_all_gather(rank, world_size, recipe_name):
     local = layer.weight._local_tensor
     assert isinstance(local, FP8AllGatherWeight)
     with fp8engine.fp8_autocast(True, recipe, fp8_group=dist.group.WORLD):
-        (q,), (scale_inv, dtype, _) = local.fsdp_pre_all_gather(mesh, None, None, None, None)
+        (q, amax_bytes), (scale_inv, dtype, _) = local.fsdp_pre_all_gather(mesh, None, None, None, None)
         assert q.dtype == torch.uint8 and q.element_size() == 1  # half of bf16's bytes
+        assert torch.equal(amax_bytes.view(torch.float32), full.chunk(world_size)[rank].abs().amax().reshape(1))
         gathered = torch.empty(world_size * q.numel(), dtype=torch.uint8)
         dist.all_gather_into_tensor(gathered, q.reshape(-1))
         scale = (state.scale[row:row + 1].clone() if recipe_name == "delayed"  # (the exit updates the state)
@@ -92,9 +96,16 @@ def _check_fp8_all_gather(rank, world_size, recipe_name):
         want = (full * scale).clamp(-fp8_max_of(dtype), fp8_max_of(dtype)).to(dtype)
         assert torch.equal(gathered.view(dtype).view(64, 32).view(torch.uint8), want.view(torch.uint8))
         seen = {}
-        layer.register_forward_pre_hook(lambda m, args: seen.setdefault("w", m.weight.detach().clone()))
+        # (read while gathered: FSDP2 frees the unsharded storage after the forward)
+        layer.register_forward_pre_hook(lambda m, args: seen.update(
+            kind=type(m.weight), bits=m.weight._data.view(torch.uint8).clone(), values=m.weight.detach().clone()))
+        state.amax_history.zero_()
         layer(torch.randn(8, 32))
-    torch.testing.assert_close(seen["w"], want.float() * scale.reciprocal(), rtol=0, atol=0)
+        assert issubclass(seen["kind"], GatheredFP8Weight), seen["kind"]
+        assert torch.equal(seen["bits"], want.view(torch.uint8))  # the bits the GEMM takes
+        if recipe_name == "delayed":  # the whole weight's amax, exact (not the max of its FP8 values)
+            assert state.amax_history[row, 0] == full.abs().amax()
+    torch.testing.assert_close(seen["values"], want.float() * scale.reciprocal(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
@@ -153,10 +164,10 @@ def _check_gathered_bytes(rank, world_size):
     model = GPT(_CONFIG)
     fp8_ids = {id(getattr(module, name)) for module, name, _, _ in fp8_weight_rows(model)}
     # every parameter is gathered whole once per forward (no padding: every dim 0 divides by 2): 2 bytes per element
-    # in bf16, 1 byte for the FP8 GEMM weights with --fp8-all-gather
+    # in bf16, 1 byte for the FP8 GEMM weights with --fp8-all-gather, and each shard's fp32 amax (4 bytes per rank)
     numel = {id(p): p.numel() for p in model.parameters()}
     assert bf16 == 2 * sum(numel.values())
-    assert fp8 == sum(n if i in fp8_ids else 2 * n for i, n in numel.items())
+    assert fp8 == sum(n + 4 * world_size if i in fp8_ids else 2 * n for i, n in numel.items())
     assert 0.5 < fp8 / bf16 < 0.6  # the GEMM weights are most of the bytes; embedding, norms, biases stay bf16
 
 
