@@ -153,7 +153,8 @@ class FP8Module(nn.Module):
 
     def fp8_begin(self) -> Optional[tuple[LinearQuantizers, ...]]:
         """None outside FP8 regions, else the quantizers (class docstring). Checks the GEMM dims once per kind:
-        ``ValueError`` naming the dim when one is not a multiple of 16 (of 128 under block scaling)."""
+        ``ValueError`` naming the dim when one is not a multiple of 16 (of 128 under block scaling), or under block
+        scaling when the module has FP8 primary weights (per-tensor scales)."""
         ctx = get_fp8_context()
         if ctx is None:
             return None
@@ -166,6 +167,11 @@ class FP8Module(nn.Module):
         quantizers = get_quantizers(self.fp8_state, ctx)
         if quantizers[0].input.is_block and not self._block_dims_checked:
             check_block_dims(self._gemm_dims, type(self).__name__)
+            primary = self.fp8_primary_weights()
+            if primary:
+                raise ValueError(f"{type(self).__name__}.{primary[0]} is an FP8 primary weight (fp8_model_init) with "
+                                 "a per-tensor scale; Float8BlockScaling cannot use it: run under DelayedScaling or "
+                                 "Float8CurrentScaling")
             self._block_dims_checked = True
         return quantizers
 
@@ -194,13 +200,10 @@ class FP8Module(nn.Module):
         key), with the transpose dgrad makes. No amax is recorded for it.
 
         Raises:
-            ValueError: under block scaling (the GEMMs need 128 x 128 block scales), or when
-                ``fuse_wgrad_accumulation`` was switched off (the wgrad has nowhere to go but ``main_grad``).
+            ValueError: when ``fuse_wgrad_accumulation`` was switched off (the wgrad has nowhere to go but
+                ``main_grad``). (Block scaling, whose GEMMs need 128 x 128 block scales, is refused at
+                :meth:`fp8_begin`.)
         """
-        if quantizer.is_block:
-            raise ValueError(f"{type(self).__name__}.{name} is an FP8 primary weight (fp8_model_init) with a "
-                             "per-tensor scale; Float8BlockScaling cannot use it: run under DelayedScaling or "
-                             "Float8CurrentScaling")
         if not self.fuse_wgrad_accumulation:
             raise ValueError(f"{type(self).__name__}.{name} is an FP8 primary weight: its gradient goes to "
                              "weight.main_grad, so fuse_wgrad_accumulation must stay True")
