@@ -231,3 +231,28 @@ def _check_current_scales_batched(rank, world_size):
 
 def test_current_scaling_all_gather_reduces_all_amaxes_at_once():
     run_ranks(_check_current_scales_batched, 2)
+
+
+def _check_fsdp_optimizer(rank, world_size):
+    """``make_optimizer`` for a CUDA run of FSDP2-sharded parameters: the fused AdamW with a float learning rate
+    (its tensor-learning-rate overload has no fake kernel, which DTensor needs to derive its outputs' metadata: the
+    first step then ran on real copies of every shard and state). The fused kernel also runs on CPU tensors, so
+    the optimizer this returns takes a real step here, and ``set_lr`` sets its float learning rate."""
+    from fp8engine.training.step import make_optimizer, set_lr
+
+    torch.manual_seed(0)
+    model = GPT(_CONFIG)
+    shard_model(model, init_device_mesh("cpu", (world_size,)), model.layers)
+    optimizer = make_optimizer(model, 1e-3, 0.1, torch.device("cuda"))
+    assert optimizer.defaults["fused"] and all(isinstance(g["lr"], float) for g in optimizer.param_groups)
+    before = [p.detach().full_tensor() for p in model.parameters()]
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(rank))
+    model(tokens, tokens.roll(-1, 1)).backward()
+    set_lr(optimizer, 2e-3)
+    optimizer.step()
+    assert all(g["lr"] == 2e-3 for g in optimizer.param_groups)
+    assert any(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters()))
+
+
+def test_fsdp_optimizer_has_a_float_learning_rate():
+    run_ranks(_check_fsdp_optimizer, 2)
