@@ -68,11 +68,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
     A tensor learning rate that is not on its parameters' device (``optimizer.load_state_dict`` of a checkpoint
     loaded with ``map_location="cpu"`` puts it on the CPU) is replaced by one on that device: the fused AdamW reads
-    a CPU learning rate as a host scalar, which a CUDA graph would freeze at its capture-time value.
+    a CPU learning rate as a host scalar, which a CUDA graph would freeze at its capture-time value. FSDP2-sharded
+    parameters get a float (:func:`make_optimizer`; also when a checkpoint loaded a tensor one).
     """
+    from fp8engine.parallel.fsdp import is_sharded
+
     for group in optimizer.param_groups:
         current = group["lr"]
-        if not isinstance(current, torch.Tensor):
+        if not isinstance(current, torch.Tensor) or is_sharded(group["params"][0]):
             group["lr"] = lr
         elif current.device != group["params"][0].device:
             group["lr"] = torch.tensor(lr, dtype=torch.float32, device=group["params"][0].device)
