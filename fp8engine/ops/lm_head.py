@@ -40,7 +40,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from fp8engine.fp8.float8_tensor import use_kernels
+from fp8engine.fp8.quantizer import call_kernels
 from fp8engine.kernels import cross_entropy as ce
 
 __all__ = ["fused_linear_cross_entropy", "lm_head_cross_entropy", "default_chunk_size", "compute_dtype",
@@ -230,7 +230,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
     hidden2d, target1d = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     dtype = compute_dtype(hidden, weight)
-    kernels = dtype in _KERNEL_DTYPES and use_kernels(hidden)  # the backend of every chunk, chosen once
+    kernels = dtype in _KERNEL_DTYPES and call_kernels(hidden)  # the backend of every chunk, chosen once
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[0], kernels)
     elif chunk_size < 1:
