@@ -24,7 +24,7 @@ import torch
 
 from fp8engine.fp8.dtypes import FP8_DTYPES
 
-__all__ = ["shard_model", "is_sharded", "local_tensor"]
+__all__ = ["shard_model", "masters_of_fp8_primary_weights", "is_sharded", "local_tensor"]
 
 
 def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module], *,
@@ -42,24 +42,18 @@ def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module],
             backward; ZeRO-3). False keeps them until the backward (ZeRO-2-like: more memory, fewer all-gathers).
         fp8_all_gather: all-gather the FP8 GEMM weights as FP8 bytes
             (:mod:`fp8engine.parallel.fsdp_fp8`; delayed and current scaling), the others in ``param_dtype``.
+            Always on for a model with FP8 primary weights (:func:`masters_of_fp8_primary_weights`).
     Returns:
         ``model`` (``fully_shard`` changes it in place into an ``FSDPModule``).
     Raises:
-        ValueError: ``mesh`` is not 1-D; ``model`` has FP8 primary weights (:func:`fp8engine.fp8_model_init`).
+        ValueError: ``mesh`` is not 1-D.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    fp8 = [name for name, p in model.named_parameters() if p.dtype in FP8_DTYPES.values()]
-    if fp8:
-        # (seen with torch 2.13: fully_shard asserts "FSDP expects uniform original parameter dtype but got
-        # {torch.float32, torch.float8_e4m3fn}" at the first all-gather; gloo's all-gather of float8 raises
-        # "RuntimeError: Invalid scalar type")
-        raise ValueError(f"shard_model: {len(fp8)} parameters are FP8 primary weights (fp8_model_init), e.g. "
-                         f"{fp8[0]!r}; FSDP2 cannot shard them (fully_shard wants one dtype for a group's trainable "
-                         "parameters, and their gradients are in main_grad, which FSDP does not reduce-scatter). "
-                         "Build the model without fp8_model_init and pass fp8_all_gather=True to all-gather FP8 bytes")
     if mesh.ndim != 1:
         raise ValueError(f"shard_model needs a 1-D data-parallel mesh, got {mesh.ndim}-D; pass mesh['dp']")
+    if masters_of_fp8_primary_weights(model):
+        fp8_all_gather = True  # the FP8 bytes on the wire are what the FP8 primary weights were for
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # fully_shard replaces each parameter by a DTensor parameter: carry over the attributes the layers set on
     # theirs (``sequence_parallel`` marks the replicated ones the tensor-parallel gradient code sums over tp)
@@ -76,6 +70,52 @@ def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module],
             if not hasattr(p, key):
                 setattr(p, key, value)
     return model
+
+
+@torch.no_grad()
+def masters_of_fp8_primary_weights(model: torch.nn.Module) -> int:
+    """Turn every FP8 primary weight of ``model`` (built under :func:`fp8engine.fp8_model_init`) back into a
+    high-precision parameter holding its master value, ready for ``fully_shard``; returns how many.
+
+    Under FSDP2 the sharded parameter *is* the optimizer's master copy (each rank keeps ``1/dp`` of it), and the FP8
+    bytes are made where they pay: the FP8 all-gather (:mod:`fp8engine.parallel.fsdp_fp8`, which
+    :func:`shard_model` then switches on) casts each shard with the weight's scale and gathers one byte per element,
+    and the layers' GEMMs take those bytes as they are. That is TransformerEngine's FSDP2 use of
+    ``fp8_model_init`` (FP8 weights all-gathered, an fp32 master per shard in the optimizer) with one copy fewer:
+    the shard holds the master (4 bytes per element) instead of FP8 bytes plus a separate fp32 master (5), so a
+    TE user's model built under ``fp8_model_init`` shards unchanged.
+
+    Each weight's master is its kept initial value (``fp8_model_init(preserve_high_precision_init_val=True)``,
+    then cleared), else its FP8 bytes dequantized (``weight.float() * scale_inv``), in the dtype of the model's
+    other parameters (``fully_shard`` wants one dtype per group; float32 when there are none). Its
+    ``<name>_scale_inv`` buffer is dropped (a checkpoint of the unsharded FP8 model still loads: the module
+    dequantizes an FP8 weight with its ``scale_inv``), and ``fuse_wgrad_accumulation`` is switched off on its
+    module: the gradient goes to ``.grad``, which FSDP2 reduce-scatters (it does not reduce ``main_grad``)."""
+    from fp8engine.modules.base import FP8Module
+    from fp8engine.modules.fp8_init import clear_high_precision_init_val, get_high_precision_init_val
+
+    fp8 = tuple(FP8_DTYPES.values())
+    others = [p.dtype for p in model.parameters() if p.dtype not in fp8]
+    dtype = others[0] if others else torch.float32
+    count = 0
+    for module in model.modules():
+        names = module.fp8_primary_weights() if isinstance(module, FP8Module) else ()
+        for name in names:
+            param, scale_inv = getattr(module, name), module._buffers.pop(name + "_scale_inv")
+            value = get_high_precision_init_val(param)
+            value = param.float() * scale_inv if value is None else value
+            clear_high_precision_init_val(param)
+            master = torch.nn.Parameter(value.to(device=param.device, dtype=dtype, copy=True),
+                                        requires_grad=param.requires_grad)
+            drop = ("main_grad", "get_high_precision_init_val", "clear_high_precision_init_val")
+            vars(master).update({k: v for k, v in vars(param).items() if k not in drop})  # the layers' marks
+            setattr(module, name, master)
+            count += 1
+        if names:
+            module.fuse_wgrad_accumulation = False
+            module._weight_cache.clear()
+            module._stored_fp8.clear()
+    return count
 
 
 def is_sharded(t: torch.Tensor) -> bool:

@@ -15,8 +15,9 @@ For every FP8 weight ``w`` (``[N, K]`` float8, with its module's ``<name>_scale_
 The other parameters (norms, biases, embeddings) are the inner optimizer's as usual. Data parallel: a
 :class:`~fp8engine.parallel.data_parallel.GradientAverager` of the replicas averages each ``main_grad`` in place
 (an FP8 weight's bucket is fp32 whenever the averager was built) and the ``.grad`` of the others; every replica
-then writes the same FP8 bytes. FSDP2 cannot shard FP8 primary weights (:func:`fp8engine.parallel.fsdp.shard_model`
-says why).
+then writes the same FP8 bytes. Under FSDP2 the sharded parameter is the master and the FP8 all-gather makes the
+bytes (:func:`fp8engine.parallel.fsdp.masters_of_fp8_primary_weights`, which ``shard_model`` applies): this
+wrapper is not used there.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import fp8engine
 from fp8engine.fp8.float8_tensor import quantize_current
 from fp8engine.models import GPT, GPTConfig
 from fp8engine.modules import Conv1DLinear, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, TransformerLayer
-from fp8engine.modules.fp8_init import get_high_precision_init_val
+from fp8engine.modules.fp8_init import FP8_PARAM_DTYPES, get_high_precision_init_val
 from fp8engine.training.master_weights import FP8MasterWeights
 
 H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
@@ -253,12 +253,33 @@ def test_bad_inputs_are_refused():
         opt.load_state_dict(FP8MasterWeights(_build("LayerNormMLP", True)).state_dict())
 
 
-def test_fsdp2_refuses_fp8_primary_weights():
-    """FSDP2 cannot shard FP8 parameters (torch 2.13): ``fully_shard`` asserts one dtype for a group's trainable
-    parameters ("FSDP expects uniform original parameter dtype but got {torch.float32, torch.float8_e4m3fn}") and
-    gloo cannot all-gather float8 ("RuntimeError: Invalid scalar type"); their gradients are in main_grad, which
-    FSDP does not reduce-scatter. shard_model says so before touching the mesh."""
-    from fp8engine.parallel.fsdp import shard_model
+@pytest.mark.parametrize("preserve", [True, False], ids=["kept-init", "dequantized"])
+def test_fsdp2_masters_replace_fp8_primary_weights(preserve):
+    """Before FSDP2 shards them (fully_shard wants one dtype per group; FP8 weights' gradients are in main_grad, which
+    FSDP does not reduce-scatter), each FP8 primary weight becomes a parameter holding its master: the kept initial
+    value, else the FP8 bytes dequantized, in the other parameters' dtype; its scale_inv buffer goes, its module
+    puts gradients in .grad again, and a checkpoint of the FP8 model still loads (dequantized, exact)."""
+    from fp8engine.parallel.fsdp import masters_of_fp8_primary_weights
 
-    with pytest.raises(ValueError, match="FP8 primary weights"):
-        shard_model(_build("TransformerLayer", True), mesh=None, layers=[])
+    model = _build("TransformerLayer", True, preserve)
+    fp8_state = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = _build("TransformerLayer", False)
+    want = {}
+    for name, p in model.named_parameters():
+        if p.dtype in FP8_PARAM_DTYPES:
+            module, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            want[name] = (dict(plain.named_parameters())[name].detach() if preserve
+                          else p.float() * getattr(module, attr + "_scale_inv"))
+    assert masters_of_fp8_primary_weights(model) == len(want) == 4
+    assert not any(n.endswith("_scale_inv") for n, _ in model.named_buffers())
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32, name
+        if name in want:
+            assert torch.equal(p, want[name]), name
+    assert not any(getattr(m, "fuse_wgrad_accumulation", False) for m in model.modules())
+    assert masters_of_fp8_primary_weights(model) == 0  # nothing left to convert
+    model.load_state_dict(fp8_state)  # the FP8 model's checkpoint: FP8 bytes and scale_inv, dequantized on load
+    for name, p in model.named_parameters():
+        key = name.rpartition(".")
+        if name in want:
+            assert torch.equal(p, fp8_state[name].float() * fp8_state[key[0] + "." + key[2] + "_scale_inv"]), name

@@ -257,3 +257,56 @@ def _check_fsdp_optimizer(rank, world_size):
 
 def test_fsdp_optimizer_has_a_float_learning_rate():
     run_ranks(_check_fsdp_optimizer, 2)
+
+
+def _check_fp8_model_init(rank, world_size, preserve):
+    """A GPT built under ``fp8_model_init`` shards: each FP8 primary weight becomes its fp32 master (the kept
+    initial value, else its FP8 bytes dequantized), all-gathered as FP8 bytes; the run then equals, loss for loss
+    and bit for bit, FSDP2 with the FP8 all-gather over a plainly built GPT whose weights hold the same masters."""
+    from fp8engine.modules.base import FP8Module
+    from fp8engine.parallel.fsdp_fp8 import FP8AllGatherWeight
+
+    torch.manual_seed(0)
+    with fp8engine.fp8_model_init(preserve_high_precision_init_val=preserve):
+        model = GPT(_CONFIG)
+    masters = {}
+    for mname, module in model.named_modules():
+        for name in module.fp8_primary_weights() if isinstance(module, FP8Module) else ():
+            weight = getattr(module, name)
+            init = weight.get_high_precision_init_val() if preserve else None
+            masters[f"{mname}.{name}"] = (init if init is not None
+                                          else weight.float() * getattr(module, name + "_scale_inv")).clone()
+    assert len(masters) == 4 * _CONFIG.n_layer  # qkv, proj, fc1, fc2 per layer
+    torch.manual_seed(0)
+    plain = GPT(_CONFIG)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if name in masters:
+                if preserve:  # the kept initial value is the plain model's own initialisation
+                    assert torch.equal(p, masters[name]), name
+                p.copy_(masters[name])
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard_model(model, mesh, model.layers)  # no fp8_all_gather=True: FP8 primary weights switch it on
+    shard_model(plain, mesh, plain.layers, fp8_all_gather=True)
+    assert not any(n.endswith("_scale_inv") for n, _ in model.named_buffers())
+    for name, p in model.named_parameters():
+        if name in masters:
+            assert p.dtype == torch.float32 and isinstance(p._local_tensor, FP8AllGatherWeight), name
+            assert torch.equal(p.full_tensor(), masters[name]), name
+    recipe = fp8engine.DelayedScaling()
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, plain)]
+    for step in range(3):
+        tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(10 * step + rank))
+        losses = []
+        for m, opt in zip((model, plain), optimizers):
+            losses.append(_step(m, tokens, recipe, dist.group.WORLD))
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(losses[0], losses[1]), (step, losses)  # the same masters, casts and bytes
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+
+
+@pytest.mark.parametrize("preserve", [True, False], ids=["kept-init", "dequantized"])
+def test_fp8_model_init_shards_with_masters_and_fp8_all_gather(preserve):
+    run_ranks(_check_fp8_model_init, 2, preserve)
