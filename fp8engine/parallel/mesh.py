@@ -52,31 +52,13 @@ class ParallelDims:
                 raise ValueError(f"tensor parallel size tp={self.tp} does not divide {name}={value}; choose a tp "
                                  f"that divides it (or pad {name} to a multiple of {self.tp})")
 
-    def build_mesh(self, device_type: Optional[str] = None, pg_options=None):
+    def build_mesh(self, device_type: Optional[str] = None):
         """A ``DeviceMesh`` of shape ``(dp, tp)`` with dim names ``("dp", "tp")`` (default process group must be
-        initialised); ``pg_options``: the backend options of both dimensions' groups (e.g. :func:`nccl_options`)."""
+        initialised)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        override = None if pg_options is None else {"dp": ("nccl", pg_options), "tp": ("nccl", pg_options)}
-        return init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"),
-                                backend_override=override)
-
-
-def nccl_options():
-    """NCCL process-group options with high-priority communication streams (``is_high_priority_stream``), unless
-    ``TORCH_NCCL_HIGH_PRIORITY=0`` is set (PyTorch's own switch for the same option, default off).
-
-    A collective's kernels then get the GPU's SMs ahead of the compute kernels queued beside them: FSDP2's prefetched
-    all-gathers and reduce-scatters, the data-parallel gradient all-reduce and the tensor-parallel collectives run
-    while the layers compute instead of waiting behind their GEMMs (the setting Megatron and torchtitan users export
-    as ``TORCH_NCCL_HIGH_PRIORITY=1``). None where this PyTorch has no NCCL."""
-    cls = getattr(dist, "ProcessGroupNCCL", None)
-    if cls is None or os.environ.get("TORCH_NCCL_HIGH_PRIORITY", "1") == "0":
-        return None
-    options = cls.Options()
-    options.is_high_priority_stream = True
-    return options
+        return init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
 
 
 @dataclass(frozen=True)
@@ -94,8 +76,7 @@ class ParallelEnv:
 def init_parallel(tp: int, *, backend: Optional[str] = None, model_dims: Optional[dict] = None,
                   timeout: Optional[float] = None) -> ParallelEnv:
     """Initialise the default process group from ``torchrun``'s environment (``nccl`` with CUDA, else ``gloo``;
-    skipped if already initialised), bind this process to GPU ``LOCAL_RANK``, build the ``(dp, tp)`` mesh. NCCL
-    groups get high-priority streams (:func:`nccl_options`).
+    skipped if already initialised), bind this process to GPU ``LOCAL_RANK``, build the ``(dp, tp)`` mesh.
 
     Args:
         tp: tensor-parallel size. backend: override the backend.
@@ -108,15 +89,12 @@ def init_parallel(tp: int, *, backend: Optional[str] = None, model_dims: Optiona
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    options = nccl_options() if use_cuda and backend in (None, "nccl") else None
     if not dist.is_initialized():
         kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
-        if options is not None:
-            kwargs["pg_options"] = options
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), **kwargs)
     dims = ParallelDims.from_env(tp, dist.get_world_size())
     if model_dims:
         dims.validate_model(**model_dims)
-    mesh = dims.build_mesh("cuda" if use_cuda else "cpu", options)
+    mesh = dims.build_mesh("cuda" if use_cuda else "cpu")
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
     return ParallelEnv(dims, mesh, dp_group, tp_group, dist.get_rank(dp_group), dist.get_rank(tp_group))
