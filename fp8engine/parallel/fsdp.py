@@ -90,7 +90,9 @@ def masters_of_fp8_primary_weights(model: torch.nn.Module) -> int:
     other parameters (``fully_shard`` wants one dtype per group; float32 when there are none). Its
     ``<name>_scale_inv`` buffer is dropped (a checkpoint of the unsharded FP8 model still loads: the module
     dequantizes an FP8 weight with its ``scale_inv``), and ``fuse_wgrad_accumulation`` is switched off on its
-    module: the gradient goes to ``.grad``, which FSDP2 reduce-scatters (it does not reduce ``main_grad``)."""
+    module: the gradient goes to ``.grad``, which FSDP2 reduce-scatters (it does not reduce ``main_grad``). A weight
+    whose dim 0 the FSDP group's size does not divide is all-gathered in ``param_dtype``, as without
+    ``fp8_model_init`` (:func:`~fp8engine.parallel.fsdp_fp8.enable_fp8_all_gather`). Delayed and current scaling."""
     from fp8engine.modules.base import FP8Module
     from fp8engine.modules.fp8_init import clear_high_precision_init_val, get_high_precision_init_val
 

@@ -259,7 +259,7 @@ def test_fsdp_optimizer_has_a_float_learning_rate():
     run_ranks(_check_fsdp_optimizer, 2)
 
 
-def _check_fp8_model_init(rank, world_size, preserve):
+def _check_fp8_model_init(rank, world_size, preserve, recipe_name):
     """A GPT built under ``fp8_model_init`` shards: each FP8 primary weight becomes its fp32 master (the kept
     initial value, else its FP8 bytes dequantized), all-gathered as FP8 bytes; the run then equals, loss for loss
     and bit for bit, FSDP2 with the FP8 all-gather over a plainly built GPT whose weights hold the same masters."""
@@ -293,7 +293,7 @@ def _check_fp8_model_init(rank, world_size, preserve):
         if name in masters:
             assert p.dtype == torch.float32 and isinstance(p._local_tensor, FP8AllGatherWeight), name
             assert torch.equal(p.full_tensor(), masters[name]), name
-    recipe = fp8engine.DelayedScaling()
+    recipe = {"delayed": fp8engine.DelayedScaling(), "current": fp8engine.CurrentScaling()}[recipe_name]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, plain)]
     for step in range(3):
         tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(10 * step + rank))
@@ -307,6 +307,7 @@ def _check_fp8_model_init(rank, world_size, preserve):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
 
 
-@pytest.mark.parametrize("preserve", [True, False], ids=["kept-init", "dequantized"])
-def test_fp8_model_init_shards_with_masters_and_fp8_all_gather(preserve):
-    run_ranks(_check_fp8_model_init, 2, preserve)
+@pytest.mark.parametrize("preserve,recipe", [(True, "delayed"), (False, "delayed"), (True, "current")],
+                         ids=["kept-init-delayed", "dequantized-delayed", "kept-init-current"])
+def test_fp8_model_init_shards_with_masters_and_fp8_all_gather(preserve, recipe):
+    run_ranks(_check_fp8_model_init, 2, preserve, recipe)
