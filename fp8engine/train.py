@@ -71,7 +71,7 @@ from fp8engine.training.guard import NonFiniteGuard
 from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm, env_world_size,
                                             init_layout, wait_for_all)
 from fp8engine.training.sharded_checkpoint import (SHARDED_DIR, CheckpointNotWritten, has_sharded, load_sharded,
-                                                   read_sharded_settings, save_sharded, select_sharded)
+                                                   read_sharded_settings, reshardable, save_sharded, select_sharded)
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
 from fp8engine.training.step import CUDAGraphStep, TrainStep, capture_problem, graph_warmup, make_optimizer, set_lr
 from fp8engine.training.metrics import PLOT_NAME, MetricsLog, plot_losses, read_metrics
@@ -194,11 +194,13 @@ def _create_out(out: Path) -> None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in _RUN_IDENTITY} | {"steps": args.steps}
+    return {k: getattr(args, k) for k in _RUN_IDENTITY} | {"steps": args.steps, "fsdp": args.fsdp}
 
 
 def _check_same_run(saved: dict[str, Any], args: argparse.Namespace) -> None:
     for key in _RUN_IDENTITY:
+        if key == "world_size" and reshardable(saved, _settings(args)):
+            continue  # FSDP2 checkpoints reshard onto another number of processes (load_sharded)
         want = saved.get(key, _IDENTITY_DEFAULTS.get(key))
         if want != getattr(args, key):
             flag = "--" + key.replace("_", "-")
@@ -243,8 +245,15 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
                     reduce_dtype=reduce_dtype, reshard_after_forward=run.args.fsdp_reshard_after_forward)
     optimizer = make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     if run.checkpoint is not None and layout.world_size > 1:
-        run.checkpoint.update(load_sharded(run.checkpoint["dir"], layout, model, optimizer,
-                                           run.rng_tracker))  # adds "rng"
+        saved_world = run.checkpoint["settings"]["world_size"]
+        if saved_world != layout.world_size and layout.is_main:
+            print(f"fp8engine.train: resuming {run.checkpoint['dir']} of {saved_world} processes on "
+                  f"{layout.world_size}: DCP reshards the FSDP2 parameters and AdamW state; the FP8 scaling state is "
+                  "the MAX over the saved ranks', the RNG states start anew and each step draws "
+                  f"{layout.dp_size} x --batch-size sequences: the run continues, not an exact resume",
+                  file=sys.stderr, flush=True)
+        run.checkpoint.update(load_sharded(run.checkpoint["dir"], layout, model, optimizer, run.rng_tracker,
+                                           saved_world))  # adds "rng" (None when resharded)
     elif run.checkpoint is not None:
         model.load_state_dict(run.checkpoint["model"])
         optimizer.load_state_dict(run.checkpoint["optimizer"])
@@ -395,7 +404,7 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
     args = run.args
     step_fn = make_step(run, model, step_model, optimizer)
     start = 0 if run.checkpoint is None else run.checkpoint["step"]
-    if run.checkpoint is not None:
+    if run.checkpoint is not None and run.checkpoint["rng"] is not None:
         restore_rng_state(run.checkpoint["rng"], run.rng_tracker)
     end = args.stop_at or args.steps
     main_rank = run.layout.is_main

@@ -6,7 +6,8 @@
   parameters and AdamW state (bf16 and FP8 weight all-gathers): the losses of an uninterrupted run, exactly;
 - 4 processes as FSDP 2 x tensor parallel 2 (sequence parallel): the one-process losses within the same bound;
 - ``--no-fsdp-reshard-after-forward``: the same losses exactly; ``--fsdp-reduce-dtype bf16``: within 1 %;
-- one process with ``--fsdp``, or an FSDP option without ``--fsdp``: exit 2 and one line.
+- one process with ``--fsdp``, or an FSDP option without ``--fsdp``: exit 2 and one line;
+- a 2-process checkpoint continued on 4 processes (DCP reshards it), saying so in one line.
 """
 import numpy as np
 import pytest
@@ -63,6 +64,20 @@ def test_fsdp_resume_is_exact(tmp_path, text_file, gather):
     full = _losses(tmp_path / "full")
     assert [s for s, _, _ in full] == list(range(1, 7))
     assert _losses(tmp_path / "split") == full  # exact float equality
+
+
+@pytest.mark.slow
+def test_fsdp_run_continues_on_another_number_of_processes(tmp_path, text_file):
+    """Stopped at step 3 on 2 processes, continued on 4: one line says what is resharded and that this is not an
+    exact resume; steps 4-6 train (the state's exact resharding: tests/parallel/test_fsdp.py)."""
+    common = ["--data", text_file, "--steps", "6", "--eval-interval", "3", "--precision", "fp8", "--fsdp", *QUICK]
+    _torchrun(2, *common, "--out", tmp_path / "run", "--stop-at", "3")
+    rc, _, stderr = run_torchrun(4, *map(str, common + ["--out", tmp_path / "run", "--resume"]), timeout=300)
+    assert rc == 0, stderr[-3000:]
+    assert "of 2 processes on 4: DCP reshards" in stderr and "not an exact resume" in stderr
+    losses = _losses(tmp_path / "run")
+    assert [s for s, _, _ in losses] == list(range(1, 7))
+    assert all(np.isfinite(loss) for _, loss, _ in losses) and losses[-1][2] is not None
 
 
 def test_fsdp_needs_data_parallel_processes(text_file, capsys):

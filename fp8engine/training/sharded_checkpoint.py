@@ -11,7 +11,8 @@ keys carry the rank whose data they are (:func:`_sharded_state`):
 - ``rank{r}/buffers.<buffer>`` (FP8 scaling state), ``rank{r}/rng.<generator>``: rank ``r``'s own;
 - ``step``, ``data_position``, ``settings``, ``config``: plain Python values, the same on every rank.
 
-Resuming therefore needs the same world size and ``--tp`` (checked up front by :func:`read_sharded_settings`).
+Resuming therefore needs the same world size and ``--tp`` (checked up front by :func:`read_sharded_settings`), except
+between FSDP2 runs of the same ``--tp``, whose parameters and AdamW state DCP reshards (:func:`load_sharded`).
 
 Integrity: after DCP has written, every rank computes the size and CRC-32 of its own shard file(s) (rank 0 also
 of ``.metadata``), the ranks exchange them (one collective on a small byte tensor, :func:`_gather_text`), and
@@ -43,7 +44,7 @@ from fp8engine.training import UsageError
 from fp8engine.training.checkpoint import atomic_write, capture_rng_state, file_crc32
 
 __all__ = ["SHARDED_DIR", "has_sharded", "sharded_dirs", "save_sharded", "read_sharded_settings", "select_sharded",
-           "load_sharded", "CheckpointNotWritten"]
+           "load_sharded", "reshardable", "CheckpointNotWritten"]
 
 SHARDED_DIR = "checkpoint"
 _CHECKSUMS = "checksums.json"
@@ -267,8 +268,9 @@ def read_sharded_settings(out: Path, settings: dict[str, Any]) -> Optional[dict[
     in every folder of a run, and the step is an upper bound of the one the resume will use.
 
     Raises:
-        UsageError: no folder reads, or the checkpoint was written by a different world size or ``--tp`` (the
-            tensor-parallel shards and per-rank entries only fit the same layout).
+        UsageError: no folder reads, or the checkpoint was written by a different ``--tp``, or by a different
+            world size without FSDP2 on both sides (:func:`reshardable`): the tensor-parallel shards and per-rank
+            entries only fit the same layout.
     """
     if not has_sharded(out):
         return None
@@ -280,10 +282,12 @@ def read_sharded_settings(out: Path, settings: dict[str, Any]) -> Optional[dict[
             errors.append(f"{step_dir.name}: {_first_line(err)}")
             continue
         saved = meta["settings"]
-        if (saved["world_size"], saved["tp"]) != (settings["world_size"], settings["tp"]):
+        if (saved["world_size"], saved["tp"]) != (settings["world_size"], settings["tp"]) and not reshardable(
+                saved, settings):
             raise UsageError(f"--resume: {step_dir} was written by {saved['world_size']} processes with --tp "
-                             f"{saved['tp']}, this run has {settings['world_size']} with --tp {settings['tp']}; "
-                             f"resume with torchrun --nproc-per-node {saved['world_size']} ... --tp {saved['tp']}")
+                             f"{saved['tp']}, this run has {settings['world_size']} with --tp {settings['tp']} (only "
+                             "--fsdp runs of the same --tp reshard; other shards fit their own layout); resume with "
+                             f"torchrun --nproc-per-node {saved['world_size']} ... --tp {saved['tp']}")
         return meta | {"dir": step_dir}
     why = f" ({errors[0]})" if errors else ""
     raise UsageError(f"--resume: no checkpoint in {_root(out)} can be read{why}; start a new run with another --out")
@@ -324,17 +328,43 @@ def select_sharded(out: Path, settings: dict[str, Any], device: torch.device,
 
 
 def load_sharded(step_dir: Path, layout, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 rng_tracker=None) -> dict[str, Any]:
+                 rng_tracker=None, saved_world_size: Optional[int] = None) -> dict[str, Any]:
     """Load the checkpoint folder ``step_dir`` (from :func:`select_sharded`) into ``model`` and ``optimizer`` in
     place (collective: every rank); returns ``{"rng": this rank's RNG states}`` for
     :func:`~fp8engine.training.checkpoint.restore_rng_state`.
 
     Pass the unwrapped model (not DDP). The template is built like the saved state (:func:`_sharded_state`), so
     DCP reads this rank's tp shard, buffers and RNG states straight into it.
+
+    ``saved_world_size``: the checkpoint's world size when it differs from this run's (FSDP2 runs of the same
+    ``--tp``, :func:`reshardable`). DCP then reshards the parameters and AdamW state (``DTensor`` shards) over this
+    run's data-parallel ranks; this rank's FP8 buffers are the elementwise MAX of those of the saved ranks of its tp
+    rank (their amax histories differ only in column 0, this rank's pending gradient amaxes, whose MAX is what the
+    next reduction over the data-parallel group would have made of them; every other entry is the same on all of
+    them), and no RNG states are loaded (``"rng": None``: there is no saved rank to take them from one to one).
     """
     state = _sharded_state(layout, model, optimizer, capture_rng_state(rng_tracker))
-    dcp.load(state, checkpoint_id=step_dir)
     t, r = f"tp{layout.tp_rank}", f"rank{layout.rank}"
-    set_state_dict(model, optimizer, model_state_dict=state[f"{t}/model"] | state[f"{r}/buffers"],
+    if saved_world_size is None or saved_world_size == layout.world_size:
+        dcp.load(state, checkpoint_id=step_dir)
+        buffers, rng = state[f"{r}/buffers"], state[f"{r}/rng"]
+    else:
+        mine = state.pop(f"{r}/buffers")
+        del state[f"{r}/rng"]
+        sources = [f"rank{s}/buffers" for s in range(saved_world_size) if s % layout.tp_size == layout.tp_rank]
+        for key in sources:  # rank = dp_rank * tp + tp_rank: the (dp, tp) mesh's row-major order
+            state[key] = {name: value.clone() for name, value in mine.items()}
+        dcp.load(state, checkpoint_id=step_dir)
+        buffers = {name: (torch.stack([state[key][name] for key in sources]).amax(0)
+                          if value.is_floating_point() else state[sources[0]][name]) for name, value in mine.items()}
+        rng = None
+    set_state_dict(model, optimizer, model_state_dict=state[f"{t}/model"] | buffers,
                    optim_state_dict=state[f"{t}/optimizer"])
-    return {"rng": state[f"{r}/rng"]}
+    return {"rng": rng}
+
+
+def reshardable(saved: dict[str, Any], settings: dict[str, Any]) -> bool:
+    """Whether a checkpoint written with the run settings ``saved`` loads into a run of ``settings`` at another
+    world size: both FSDP2 runs (``"fsdp"``: their parameters and AdamW state are ``DTensor`` shards, which DCP
+    reshards) of the same ``--tp`` (plain tensor-parallel shards fit only their own layout)."""
+    return bool(saved.get("fsdp")) and bool(settings.get("fsdp")) and saved.get("tp") == settings.get("tp")

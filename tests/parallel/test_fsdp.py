@@ -311,3 +311,65 @@ def _check_fp8_model_init(rank, world_size, preserve, recipe_name):
                          ids=["kept-init-delayed", "dequantized-delayed", "kept-init-current"])
 def test_fp8_model_init_shards_with_masters_and_fp8_all_gather(preserve, recipe):
     run_ranks(_check_fp8_model_init, 2, preserve, recipe)
+
+
+def _layout(rank, world_size, mesh):
+    from fp8engine.training.distributed import Layout
+
+    return Layout(rank, world_size, rank, world_size, 1, 0, dist.group.WORLD, None, mesh)
+
+
+def _save_to_reshard(rank, world_size, out):
+    """One FP8 step and one more backward (its gradient amaxes wait in column 0 of each rank's histories, not yet
+    MAX-reduced), a checkpoint, and what it holds: full parameters and AdamW moments, each rank's buffers."""
+    from fp8engine.training.checkpoint import capture_rng_state
+    from fp8engine.training.sharded_checkpoint import save_sharded
+
+    torch.manual_seed(0)
+    model = GPT(_CONFIG)
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard_model(model, mesh, model.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(rank))
+    _step(model, tokens, fp8engine.DelayedScaling(), dist.group.WORLD)
+    opt.step()
+    _step(model, tokens.flip(1), fp8engine.DelayedScaling(), dist.group.WORLD)
+    save_sharded(out, _layout(rank, world_size, mesh), model, opt,
+                 {"rng": capture_rng_state(), "step": 1, "settings": {"world_size": world_size}}, 1)
+    full = {n: (p.full_tensor(), opt.state[p]["exp_avg"].full_tensor(), opt.state[p]["exp_avg_sq"].full_tensor())
+            for n, p in model.named_parameters()}  # (full_tensor is collective: every rank)
+    torch.save({"full": full, "buffers": dict(model.named_buffers())}, out / f"want{rank}.pt")
+
+
+def _load_resharded(rank, world_size, out, saved_world_size):
+    """The checkpoint of ``saved_world_size`` ranks loaded into ``world_size``: the same parameters and AdamW moments
+    bit for bit (DCP reshards the DTensor shards), every rank's buffers the MAX of the saved ranks' (amax histories:
+    the reduction the next autocast exit would have done), no RNG states."""
+    from fp8engine.training.sharded_checkpoint import load_sharded
+
+    torch.manual_seed(1)  # other initial values: everything compared below must come from the checkpoint
+    model = GPT(_CONFIG)
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard_model(model, mesh, model.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loaded = load_sharded(out / "checkpoint" / "step_1", _layout(rank, world_size, mesh), model, opt,
+                          saved_world_size=saved_world_size)
+    assert loaded["rng"] is None
+    saved = [torch.load(out / f"want{r}.pt") for r in range(saved_world_size)]
+    for name, p in model.named_parameters():
+        got = (p.full_tensor(), opt.state[p]["exp_avg"].full_tensor(), opt.state[p]["exp_avg_sq"].full_tensor())
+        for g, w in zip(got, saved[0]["full"][name]):
+            assert torch.equal(g, w), name
+    pending = 0
+    for name, b in model.named_buffers():
+        want = torch.stack([s["buffers"][name] for s in saved]).amax(0) if b.is_floating_point() \
+            else saved[0]["buffers"][name]
+        assert torch.equal(b, want), name
+        pending += not all(torch.equal(s["buffers"][name], saved[0]["buffers"][name]) for s in saved)
+    assert pending  # the saved ranks' histories did differ (their own gradient amaxes): the MAX was needed
+
+
+@pytest.mark.parametrize("saved,loaded", [(2, 4), (4, 2)])
+def test_fsdp_checkpoint_reshards_onto_another_world_size(tmp_path, saved, loaded):
+    run_ranks(_save_to_reshard, saved, tmp_path)
+    run_ranks(_load_resharded, loaded, tmp_path, saved)

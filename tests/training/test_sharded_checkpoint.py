@@ -100,3 +100,19 @@ def test_settings_of_another_layout_refused(tmp_path, group):
     _train_and_save(tmp_path, group, [1], keep=2)
     with pytest.raises(UsageError, match=r"written by 1 processes with --tp 1, this run has 2 with --tp 2"):
         read_sharded_settings(tmp_path, {"world_size": 2, "tp": 2, "lr": 0.1})
+
+
+def test_fsdp_settings_of_another_world_size_read(tmp_path, group):
+    """FSDP2 checkpoints reshard: another world size of the same --tp reads (load_sharded reshards); another --tp,
+    or a run without --fsdp on either side, is still refused in one line that says why."""
+    from fp8engine.training.sharded_checkpoint import reshardable
+
+    fsdp = {"world_size": 1, "tp": 1, "lr": 0.1, "fsdp": True}
+    model, opt = _model(0)
+    save_sharded(tmp_path, group, model, opt, {"rng": capture_rng_state(), "step": 1, "settings": fsdp}, 1)
+    assert read_sharded_settings(tmp_path, fsdp | {"world_size": 4})["step"] == 1
+    with pytest.raises(UsageError, match=r"only --fsdp runs of the same --tp reshard"):
+        read_sharded_settings(tmp_path, fsdp | {"world_size": 4, "tp": 2})
+    with pytest.raises(UsageError, match=r"written by 1 processes with --tp 1, this run has 4"):
+        read_sharded_settings(tmp_path, fsdp | {"world_size": 4, "fsdp": False})
+    assert reshardable(fsdp, fsdp | {"world_size": 8}) and not reshardable({"tp": 1}, fsdp)
