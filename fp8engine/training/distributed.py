@@ -117,8 +117,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_gro
     sharded = [g for p, g in zip(params, grads) if not hasattr(p, "sequence_parallel")]
     replicated = [g for p, g in zip(params, grads) if hasattr(p, "sequence_parallel")]
     device = grads[0].device
-    sq_sharded = sum((g.float().pow(2).sum() for g in sharded), torch.zeros((), device=device))
-    sq_replicated = sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=device))
+    sq_sharded, sq_replicated = _sum_of_squares(sharded, device), _sum_of_squares(replicated, device)
     if fsdp_group is not None:  # the shards of every parameter are disjoint over the data-parallel ranks
         both = torch.stack([sq_sharded, sq_replicated])
         dist.all_reduce(both, group=fsdp_group)
@@ -127,6 +126,15 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_gro
         dist.all_reduce(sq_sharded, group=tp_group)
     norm = (sq_sharded + sq_replicated).sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    for dtype in {g.dtype for g in grads}:  # (one multi-tensor kernel per dtype, as torch's clip_grad_norm_)
+        torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(dtype))
     return norm
+
+
+def _sum_of_squares(grads: list, device: torch.device) -> torch.Tensor:
+    """``sum_i ||g_i||^2`` in fp32 (a 0-d device tensor): the per-tensor L2 norms in one multi-tensor kernel
+    (``torch._foreach_norm``, fp32 accumulation, as ``torch.nn.utils.clip_grad_norm_`` takes them), squared and
+    summed; 0 for no gradient."""
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum()
