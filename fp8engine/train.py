@@ -62,7 +62,6 @@ import fp8engine
 from fp8engine.fp8.autocast import FP8Context, recompute_context
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
 from fp8engine.parallel import RNGStatesTracker, all_reduce_sequence_parallel_grads, model_parallel_manual_seed
-from fp8engine.parallel.linear_ops import set_tp_comm_overlap
 from fp8engine.parallel.data_parallel import GradientAverager, broadcast_parameters
 from fp8engine.parallel.fsdp import local_tensor, shard_model
 from fp8engine.training import UsageError
@@ -237,8 +236,6 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
     if not run.args.fused_layer:
         for layer in model.layers:
             layer.fused = False
-    if not run.args.tp_comm_overlap:
-        set_tp_comm_overlap(model, False)
     if run.args.fsdp:  # before the optimizer: it holds the DTensor shards; bf16 all-gathers where autocast is on
         param_dtype = torch.bfloat16 if run.device.type == "cuda" and run.args.precision != "fp32" else None
         fp8_gather = (run.args.fp8_all_gather and run.args.precision == "fp8"

@@ -392,7 +392,7 @@ _MAX_SITES = 4096
 
 def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
          out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
-         use_fast_accum: bool = False, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+         use_fast_accum: bool = False) -> Optional[torch.Tensor]:
     """``torch._scaled_mm``'s tensor-wise FP8 GEMM, called through cuBLASLt directly:
     ``out = (a * a_scale_inv) @ (b * b_scale_inv).T (+ bias)`` as a new ``[M, N]`` tensor of ``out_dtype``.
 
@@ -411,9 +411,7 @@ def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_in
         a_scale_inv, b_scale_inv: 1-element float32 dequantization factors on that device.
         out_dtype: float32, bfloat16 or float16. bias: None or ``[N]`` contiguous of ``out_dtype`` (bf16 / fp16).
         use_fast_accum: cuBLASLt's fast accumulation (fprop).
-        out: where to write the result (a contiguous ``[M, N]`` tensor of ``out_dtype``, e.g. a row block of a
-            larger output); None: a new tensor.
-    Returns ``out`` (or the new tensor); None where this call does not apply and the caller runs ``torch._scaled_mm`` instead: no cuBLASLt, a
+    Returns None where this call does not apply and the caller runs ``torch._scaled_mm`` instead: no cuBLASLt, a
     non-contiguous operand, M = 0, no cuBLASLt algorithm for the configuration (remembered per configuration), or
     ``_MAX_SITES`` configurations planned already.
     The caller checks dtypes and K / N (multiples of 16), as :func:`fp8engine.ops.gemm.fp8_mm` does.
@@ -424,31 +422,27 @@ def gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_in
     if bias is not None and (bias.dtype != out_dtype or not bias.is_contiguous()):
         return None
     (m, k), n = a.shape, b.shape[0]
-    if out is not None and (out.dtype != out_dtype or tuple(out.shape) != (m, n) or not out.is_contiguous()):
-        return None
     device = a.device
     key = (device.index, m, n, k, a.dtype, b.dtype, out_dtype, use_fast_accum, None if bias is None else bias.dtype,
-           256 if out is None else _alignment(out.data_ptr()), _alignment(a.data_ptr()), _alignment(b.data_ptr()))
+           _alignment(a.data_ptr()), _alignment(b.data_ptr()))
     site = ctx.sites.get(key)
     if site is None:
         if len(ctx.sites) >= _MAX_SITES:  # shapes that keep changing (generation): torch._scaled_mm plans per call
             return None
         epilogue = _EPILOGUE_DEFAULT if bias is None else _EPILOGUE_BIAS
         hp_type = None if bias is None else _OUT_CUDA_TYPE[bias.dtype]
-        # Column-major view: D [n, m] = op_T(b [k, n]) @ a [k, m]; a fresh output is 256-byte aligned
+        # Column-major view: D [n, m] = op_T(b [k, n]) @ a [k, m]; the output is a fresh block (256-byte aligned)
         try:
             with ctx.lock:
                 plan = _Plan(ctx.lib, ctx.handle(device), n, m, k, _FP8_CUDA_TYPE[b.dtype], _FP8_CUDA_TYPE[a.dtype],
-                             _OUT_CUDA_TYPE[out_dtype], (key[-1], key[-2], key[-3]), use_fast_accum, 0, epilogue,
-                             hp_type)
+                             _OUT_CUDA_TYPE[out_dtype], (key[-1], key[-2], 256), use_fast_accum, 0, epilogue, hp_type)
             site = _Site(ctx, device, plan)
         except CublasLtUnsupported as err:
             site = str(err)
         ctx.sites[key] = site
     if isinstance(site, str):
         return None
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=device)
+    out = torch.empty(m, n, dtype=out_dtype, device=device)
     recorder = _common.RECORDER.get()
     if recorder is not None:
         recorder.call(site, a, a_scale_inv, b, b_scale_inv, out, bias)

@@ -15,13 +15,6 @@ Per rank (tp = tensor-parallel size, ``m`` tokens of this rank):
 - row parallel (``weight [N, K/tp]``): fprop's partial ``[m, N]`` is summed over the ranks by
   :meth:`reduce_output` (all-reduce, or reduce-scatter to ``[m / tp, N]`` with sequence parallelism), then the
   bias is added; backward all-gathers the output gradient first (:meth:`gather_output_grad`, sequence parallel).
-
-Overlap (Megatron's ``tp_comm_overlap``, by splitting the GEMM by rows as TransformerEngine's userbuffers and
-PyTorch's async-TP ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` do, with plain NCCL collectives):
-:meth:`gather_input` may return a :class:`GatherInFlight` whose ``fprop`` runs this rank's rows beside the gather
-and the other ranks' rows after it; :meth:`fprop_reduce` may compute the other ranks' rows first, start their
-reduce-scatter, and run this rank's rows beside it. Both give the rows of the one-GEMM result (a split GEMM may pick
-another cuBLASLt algorithm for its rows: equal up to the GEMM's own rounding).
 """
 from __future__ import annotations
 
@@ -32,90 +25,7 @@ import torch
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import Quantizer
 
-__all__ = ["LinearComm", "GatherInFlight", "row_block", "part_fprop"]
-
-
-def row_block(x: Union[torch.Tensor, Float8Tensor], start: int, stop: int) -> Union[torch.Tensor, Float8Tensor]:
-    """Rows ``[start, stop)`` of a ``[M, K]`` operand (a view), high precision or per-tensor FP8."""
-    if isinstance(x, Float8Tensor):
-        return Float8Tensor(x.data.reshape(-1, x.shape[-1])[start:stop], x.scale_inv, x.dtype, kernels=x.kernels)
-    return x.reshape(-1, x.shape[-1])[start:stop]
-
-
-def part_fprop(x: Union[torch.Tensor, Float8Tensor], w: Union[torch.Tensor, Float8Tensor], out_dtype: torch.dtype,
-               bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fprop of a row block: ``x [m, K] @ w.T (+ bias)`` ``[m, N]``, into ``out`` when given. FP8 operands:
-    ``x.fprop`` (per-tensor, :func:`fp8engine.ops.gemm.fp8_fprop`); high precision: ``torch.addmm`` /
-    ``torch.matmul`` (what ``F.linear`` runs for a 2-D input), result in ``x.dtype``."""
-    if isinstance(x, Float8Tensor):
-        return x.fprop(w, out_dtype, bias, out=out)
-    kw = {} if out is None else {"out": out}
-    return torch.matmul(x, w.t(), **kw) if bias is None else torch.addmm(bias, x, w.t(), **kw)
-
-
-class GatherInFlight:
-    """A sequence-parallel input all-gather ``[m, K] -> [tp * m, K]`` still in flight, standing for its total.
-
-    ``fprop`` overlaps: this rank's rows ``[rank * m, (rank + 1) * m)`` are computed from the local shard while the
-    gather runs, then the other rows from the gathered total, each written into its block of one ``[tp * m, N]``
-    output. Anything else reads the total after waiting (``data``, ``t_operand``, :meth:`wait`), so the object can
-    stand wherever the total (a :class:`Float8Tensor` or a high-precision tensor) is read.
-
-    Args:
-        local: this rank's shard ``[m, K]`` (FP8 with the tp-shared scale, or high precision).
-        total: ``[tp * m, K]``, valid once ``finish()`` returned. finish: waits for the gather (and what it records).
-        rank, size: this rank's index in the tp group and the group's size.
-    """
-
-    __slots__ = ("local", "_total", "_finish", "rank", "size")
-
-    def __init__(self, local, total, finish: Callable[[], None], rank: int, size: int):
-        self.local, self._total, self._finish, self.rank, self.size = local, total, finish, rank, size
-
-    def wait(self) -> Union[torch.Tensor, Float8Tensor]:
-        """Wait for the gather; the total."""
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
-        return self._total
-
-    @property
-    def shape(self) -> torch.Size:
-        return self._total.shape
-
-    @property
-    def data(self) -> torch.Tensor:
-        return self.wait().data
-
-    @property
-    def scale_inv(self) -> torch.Tensor:
-        return self._total.scale_inv
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._total.dtype
-
-    @property
-    def kernels(self) -> bool:
-        return self._total.kernels
-
-    lacks_transpose = False
-
-    def t_operand(self):
-        return self.wait().t_operand()
-
-    def fprop(self, w, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``total @ w.T + bias`` ``[tp * m, N]`` in ``out_dtype`` (``w`` FP8 ``[N, K]``; for a high-precision
-        total ``w`` is the weight and ``out_dtype`` the input's dtype), this rank's rows beside the gather."""
-        m, rank = self.local.shape[0], self.rank
-        rows = m * self.size
-        y = torch.empty(rows, w.shape[0], dtype=out_dtype, device=self.local.device)
-        part_fprop(self.local, w, out_dtype, bias, y[rank * m:(rank + 1) * m])
-        total = self.wait()
-        for start, stop in ((0, rank * m), ((rank + 1) * m, rows)):
-            if stop > start:
-                part_fprop(row_block(total, start, stop), w, out_dtype, bias, y[start:stop])
-        return y
+__all__ = ["LinearComm"]
 
 
 class LinearComm(Protocol):
@@ -153,14 +63,6 @@ class LinearComm(Protocol):
         """Start summing the partial dgrad ``dx [M, K]`` over the ranks (column parallel): all-reduce in place, or
         reduce-scatter to a new ``[M / tp, K]`` (sequence parallel). Returns ``(dx, work)``; ``dx`` is valid after
         ``work.wait()`` (``work`` None when nothing was started: row parallel, one rank)."""
-        ...
-
-    def fprop_reduce(self, fprop: Callable[..., torch.Tensor], rows: int, n: int, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
-        """Row parallel: fprop and :meth:`reduce_output` of its partial ``[rows, n]`` output. ``fprop(start, stop,
-        out)`` computes rows ``[start, stop)`` of the partial (into ``out``, a ``[stop - start, n]`` block of
-        ``dtype`` on ``device``, when not None; else as a new tensor). An implementation may split the rows to
-        overlap the reduction (module docstring); the plain one is ``reduce_output(fprop(0, rows, None))``."""
         ...
 
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:

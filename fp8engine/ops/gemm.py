@@ -53,7 +53,7 @@ def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
            out_dtype: torch.dtype, *, bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False,
-           pad_inner: bool = False, kernels: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+           pad_inner: bool = False, kernels: bool = False) -> torch.Tensor:
     """``(a * a_scale_inv) @ (b * b_scale_inv).T`` in FP8 tensor cores, result in ``out_dtype``.
 
     Args:
@@ -65,8 +65,6 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
         pad_inner: zero-pad K up to a multiple of 16 (used for wgrad, where K is the token count).
         kernels: the operands' backend (``Float8Tensor.kernels``): True calls cuBLASLt directly on CUDA (planned
             once per configuration; ``FP8ENGINE_CUBLASLT_GEMM=0`` turns it off), False ``torch._scaled_mm``.
-        out: a contiguous ``[M, N]`` tensor of ``out_dtype`` to write the result into (a row block of a larger
-            output: the tensor-parallel overlap, :mod:`fp8engine.parallel.linear_ops`); returned. None: a new one.
     Raises:
         TypeError: non-FP8 operands, or E5M2 x E5M2.
         ValueError: K or N not a multiple of 16 (and ``pad_inner`` not set for K).
@@ -85,20 +83,17 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
     if n % _ALIGN:
         raise ValueError(f"FP8 GEMM output dim N={n} is not a multiple of 16; pad the feature dim to a multiple of 16")
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
-    y = None
+    out = None
     if kernels and CUBLASLT_GEMM and a.is_cuda:  # eager CUDA: torch._scaled_mm's cuBLASLt call, planned once
-        y = cublaslt.gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias if fused_bias else None, use_fast_accum,
-                          out=out)
-    if y is None:  # CPU, compiled code, or a configuration the direct call declined
+        out = cublaslt.gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias if fused_bias else None, use_fast_accum)
+    if out is None:  # CPU, compiled code, or a configuration the direct call declined
         # 1-element scales go in as they are: _scaled_mm takes numel() == 1 as tensor-wise scaling (a reshape to
         # 0-d would be one more dispatched op per GEMM on the host's hot path)
-        kw = {} if out is None else {"out": out}
-        y = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
-                             bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
-                             **kw)
+        out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
+                               bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     if bias is not None and not fused_bias:
-        y = y.add_(bias.to(out_dtype)) if out is not None else y + bias.to(out_dtype)
-    return y
+        out = out + bias.to(out_dtype)
+    return out
 
 
 def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
@@ -131,25 +126,23 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, *, bias=None, use_fast_accum=False,
-             transpose_a: bool = False, transpose_b: bool = False, pad_inner: bool = False,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             transpose_a: bool = False, transpose_b: bool = False, pad_inner: bool = False) -> torch.Tensor:
     """:func:`fp8_mm` on :class:`Float8Tensor` operands viewed as 2-D; ``transpose_a``/``transpose_b`` take their
     transposed FP8 copies (``Float8Tensor.transpose_2d``); the backend is ``a``'s (``Float8Tensor.kernels``)."""
     a_data = a.transpose_2d() if transpose_a else _as_2d(a.data)
     b_data = b.transpose_2d() if transpose_b else _as_2d(b.data)
     return fp8_mm(a_data, a.scale_inv, b_data, b.scale_inv, out_dtype, bias=bias, use_fast_accum=use_fast_accum,
-                  pad_inner=pad_inner, kernels=a.kernels, out=out)
+                  pad_inner=pad_inner, kernels=a.kernels)
 
 
 def fp8_fprop(x: Float8Tensor, w: Float8Tensor, out_dtype: torch.dtype,
-              bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A linear layer's fprop ``y = x @ w.T + bias`` (``[M, N]`` in ``out_dtype``; written into ``out`` when
-    given, as :func:`fp8_mm`): the bias brought to ``out_dtype`` (added in the GEMM epilogue for bf16/fp16, see
-    :func:`fp8_mm`) and cuBLASLt's fast accumulation, as TransformerEngine runs fprop (dgrad and wgrad accumulate
-    exactly)."""
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A linear layer's fprop ``y = x @ w.T + bias`` (``[M, N]`` in ``out_dtype``): the bias brought to
+    ``out_dtype`` (added in the GEMM epilogue for bf16/fp16, see :func:`fp8_mm`) and cuBLASLt's fast accumulation,
+    as TransformerEngine runs fprop (dgrad and wgrad accumulate exactly)."""
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
-    return fp8_gemm(x, w, out_dtype, bias=bias, use_fast_accum=True, out=out)
+    return fp8_gemm(x, w, out_dtype, bias=bias, use_fast_accum=True)
 
 
 def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out_dtype: torch.dtype,

@@ -46,13 +46,13 @@ from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer, call_kernels
 from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops.block_gemm import check_block_dims
-from fp8engine.ops.comm import GatherInFlight, LinearComm, part_fprop, row_block
+from fp8engine.ops.comm import LinearComm
 from fp8engine.ops.gemm import fp8_fprop, fp8_mm, fp8_mm_accumulate
 from fp8engine.ops.gemm_ops import compiled_gemm_ops, mm_accumulate_fp8
 from fp8engine.recipe import Float8BlockScaling
 
 __all__ = ["linear", "fp8_linear", "block_linear", "linear_input", "output_leading_dims", "LINEAR_ROLES",
-           "main_grad_of", "accumulate_wgrad", "row_fprop", "fp8_wgrad_accumulate", "linear_main_grad", "dgrad_wgrad",
+           "main_grad_of", "accumulate_wgrad", "fp8_wgrad_accumulate", "linear_main_grad", "dgrad_wgrad",
            "linear_backward"]
 
 #: Rows of a Linear's :class:`ScalingState`.
@@ -116,18 +116,6 @@ def linear_main_grad(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return linear(x, weight, bias, None, fuse_wgrad=True)
 
 
-def row_fprop(x: Union[torch.Tensor, Float8Tensor], w: Union[torch.Tensor, Float8Tensor], out_dtype: torch.dtype,
-              comm: LinearComm) -> torch.Tensor:
-    """A row-parallel layer's fprop summed over the ranks, without bias: ``comm.fprop_reduce`` of ``x [M, K/tp] @
-    w.T`` (``w`` the FP8 weight, or the high-precision one with ``x``); the rows' GEMMs as
-    :func:`fp8engine.ops.comm.part_fprop`. A block-scaled ``x`` runs one GEMM, then ``comm.reduce_output``."""
-    if not isinstance(x, (torch.Tensor, Float8Tensor)):
-        return comm.reduce_output(x.fprop(w, out_dtype, None))
-    rows = math.prod(x.shape[:-1])
-    return comm.fprop_reduce(lambda start, stop, out: part_fprop(row_block(x, start, stop), w, out_dtype, None, out),
-                             rows, w.shape[0], out_dtype, x.device)
-
-
 def output_leading_dims(x: torch.Tensor, rows: int) -> tuple:
     """The leading dims of an output with ``rows`` rows for the input ``x [*, K]``: ``x``'s, with dim 0 scaled by
     the all-gather (``tp``) or the reduce-scatter (``1/tp``) that changed the row count."""
@@ -149,26 +137,23 @@ class _FP8Linear(torch.autograd.Function):
         needs_dw = ctx.needs_input_grad[1] or fuse_wgrad
         ctx.grad_quantizer, ctx.fuse_wgrad, ctx.comm = grad_quantizer, fuse_wgrad, comm
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        hp = grad_quantizer is None
-        if row:  # the partial sums over the ranks, then the (unsharded) bias
-            y = row_fprop(x_total, weight if hp else w_fp8, x.dtype, comm)
-            if bias is not None:
-                y = y + bias.to(y.dtype)
-        elif hp:
-            y = x_total.fprop(weight, x.dtype, bias) if isinstance(x_total, GatherInFlight) else \
-                F.linear(x_total, weight, bias)
-        else:
-            y = x_total.fprop(w_fp8, x.dtype, bias)
-        if hp:  # high precision: keep x_total, or the shard to re-gather
+        gemm_bias = None if bias is None or row else bias
+        if grad_quantizer is None:  # high precision: keep x_total, or the shard to re-gather
+            y = F.linear(x_total, weight, gemm_bias)
             ctx.regather = needs_dw and x_shard is not None
             ctx.save_for_backward((x_total if x_shard is None else x_shard) if needs_dw else None, weight)
         else:
             ctx.x_shard = x_shard if needs_dw else None
+            y = x_total.fprop(w_fp8, x.dtype, gemm_bias)
             ctx.save_for_backward(weight)
             # Backward needs only the transposed layouts (dgrad: W^T, wgrad: X^T); keep those, not the row-major
             # bits (or only the FP8 input shard, re-gathered in backward).
             ctx.x_t = x_total.t_operand() if needs_dw and x_shard is None else None
             ctx.w_t = w_fp8.t_operand() if ctx.needs_input_grad[0] else None
+        if row:  # the partial sums over the ranks, then the (unsharded) bias
+            y = comm.reduce_output(y)
+            if bias is not None:
+                y = y + bias.to(y.dtype)
         return y.reshape(*output_leading_dims(x, y.shape[0]), y.shape[-1])
 
     @staticmethod

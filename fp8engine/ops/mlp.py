@@ -40,8 +40,6 @@ Activations (TransformerEngine's definitions):
 """
 from __future__ import annotations
 
-import math
-
 from typing import Optional
 
 import torch
@@ -55,7 +53,7 @@ from fp8engine.ops.gemm_ops import gemm_bias_gelu_fp8
 from fp8engine.ops.kernel_ops import (ACT_KINDS, act_bwd_dbias_amax, act_bwd_fp8, act_fwd_amax, act_fwd_fp8,
                                       compiled_kernel_ops)
 from fp8engine.ops.comm import LinearComm
-from fp8engine.ops.linear import dgrad_wgrad, fp8_linear, linear_input, output_leading_dims, row_fprop
+from fp8engine.ops.linear import dgrad_wgrad, fp8_linear, linear_input, output_leading_dims
 
 __all__ = ["ACTIVATIONS", "act_fwd", "act_bwd", "activation", "activation_cast", "act_fwd_cast", "act_bwd_cast",
            "fc1_fprop_act", "fp8_mlp", "MLP_ROLES"]
@@ -245,7 +243,7 @@ def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.
     """
     # not while FP8 stats record: they need the high-precision activation
     if (kind == "gelu" and b1 is not None and quantizer.delayed and quantizer.stats is None
-            and use_gelu_epilogue(gelu_epilogue, math.prod(x_fp8.shape[:-1]), w1_fp8.shape[0])):
+            and use_gelu_epilogue(gelu_epilogue, x_fp8.data.numel() // max(x_fp8.shape[-1], 1), w1_fp8.shape[0])):
         if quantizer.kernels:
             fused = fp8_gemm_bias_gelu(x_fp8, w1_fp8, b1, out_dtype, quantizer.scale, quantizer.fp8_dtype,
                                        quantizer.amax)
@@ -280,12 +278,12 @@ class _FP8MLP(torch.autograd.Function):
         h, a_fp8 = fc1_fprop_act(x_fp8, w1_fp8, b1, x.dtype, kind, fc2.input, transpose=need_dw2,
                                  gelu_epilogue=gelu_epilogue)
         # fc2 fprop: y = a @ W2.T + b2 (row parallel: b2 added after the reduction over the ranks)
-        if fc2_comm is not None and fc2_comm.reduces_output:
-            y = row_fprop(a_fp8, w2_fp8, x.dtype, fc2_comm)
+        row = fc2_comm is not None and fc2_comm.reduces_output
+        y = a_fp8.fprop(w2_fp8, x.dtype, None if b2 is None or row else b2)
+        if row:
+            y = fc2_comm.reduce_output(y)
             if b2 is not None:
                 y = y + b2.to(y.dtype)
-        else:
-            y = a_fp8.fprop(w2_fp8, x.dtype, b2)
         ctx.save_for_backward(w1, w2, h if need_dh else None)
         ctx.x_shard = x_shard if need_dw1 else None  # re-gathered in backward instead of keeping x^T
         ctx.x_t = x_fp8.t_operand() if need_dw1 and x_shard is None else None

@@ -41,7 +41,7 @@ def all_gather_fp8_bytes(local: Float8Tensor, group, async_op: bool = False):
     return Float8Tensor(raw.view(local.data.dtype), local.scale_inv, local.dtype, kernels=local.kernels), work
 
 
-def cast_and_all_gather_fp8(x: torch.Tensor, quantizer: Quantizer, group, async_op: bool = False):
+def cast_and_all_gather_fp8(x: torch.Tensor, quantizer: Quantizer, group) -> tuple[Float8Tensor, Float8Tensor]:
     """Cast this rank's sequence shard with the tp-shared scale and all-gather the FP8 bytes.
 
     Args:
@@ -49,11 +49,9 @@ def cast_and_all_gather_fp8(x: torch.Tensor, quantizer: Quantizer, group, async_
         quantizer: this operand's :class:`Quantizer` (delayed scaling records the tp-MAX amax into its amax slot
             unless it records none: a recompute).
         group: the tensor-parallel group.
-        async_op: return while the gather is in flight (below).
     Returns:
         ``(local_fp8, total_fp8)``: the local shard ``[s/tp, ..., h]`` and the gathered ``[s, ..., h]`` FP8 tensors,
-        sharing one ``scale_inv``. With ``async_op``: ``(local_fp8, total_fp8, finish)``, ``total_fp8``'s bytes
-        valid (and the tp-MAX amax recorded) once ``finish()`` returned.
+        sharing one ``scale_inv``.
     """
     if quantizer.delayed:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device) if quantizer.record_amax else None
@@ -61,21 +59,15 @@ def cast_and_all_gather_fp8(x: torch.Tensor, quantizer: Quantizer, group, async_
                           kernels=quantizer.kernels).quantize(x)
         total, work = all_gather_fp8_bytes(local, group, async_op=True)
         amax, amax_work = all_reduce(amax, group, "max", async_op=True) if amax is not None else (None, None)
-
-        def finish() -> None:
-            work.wait()
-            if amax_work is not None:
-                amax_work.wait()
-                torch.maximum(quantizer.amax, amax, out=quantizer.amax)
-    else:
-        amax = x.detach().abs().amax().float().reshape(1)
-        amax = all_reduce(amax, group, "max")[0]  # the scale must be known before the cast
-        local = quantizer.quantize(x, amax=amax)
-        total, work = all_gather_fp8_bytes(local, group, async_op=True)
-        finish = work.wait
-    if async_op:
-        return local, total, finish
-    finish()
+        work.wait()
+        if amax_work is not None:
+            amax_work.wait()
+            torch.maximum(quantizer.amax, amax, out=quantizer.amax)
+        return local, total
+    amax = x.detach().abs().amax().float().reshape(1)
+    amax = all_reduce(amax, group, "max")[0]  # the scale must be known before the cast
+    local = quantizer.quantize(x, amax=amax)
+    total, _ = all_gather_fp8_bytes(local, group)
     return local, total
 
 

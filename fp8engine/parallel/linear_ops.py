@@ -14,14 +14,6 @@ Per rank (tp = the group's size):
 - ``"row"`` (``weight [N, K/tp]``): fprop's partial output ``[s, b, N]`` is all-reduced, or reduce-scattered to
   ``[s/tp, b, N]`` with sequence parallelism (whose backward all-gathers the output gradient first).
 
-Overlap (``overlap``, on by default: Megatron's ``tp_comm_overlap``; :mod:`fp8engine.ops.comm`), sequence
-parallelism, per-tensor FP8 or high precision, not while ``torch.compile`` traces (Inductor schedules the
-collectives itself): the column layer's GEMM runs this rank's rows from the local shard beside the all-gather
-(:class:`~fp8engine.ops.comm.GatherInFlight`), then the other ranks' rows; the row layer's GEMM computes the other
-ranks' rows first, reduce-scatters them (this rank's block zeroed) beside the GEMM of its own rows, and adds those.
-At tp = 2 both give the bits of the plain GEMM + collective wherever the split GEMMs give the rows of the whole
-one (a sum of two bf16 terms rounds once either way); at tp > 2 the reduction's order changes (rounding only).
-
 Block scaling (``Float8BlockScaling``): the shard dims must be multiples of 128, so a shard boundary is a block
 boundary and every rank's 1 x 128 tiles and 128 x 128 blocks are exactly the unsharded layer's. The FP8 all-gather
 moves the scales with the data: each rank casts its shard ``[m, K]`` to 1 x 128 tiles along K (rows are independent:
@@ -32,7 +24,7 @@ high precision and casts the total (same result, bf16's bytes).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
@@ -40,11 +32,10 @@ import torch
 from fp8engine.fp8.block_tensor import TILE_1x128, Float8BlockTensor
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import Quantizer
-from fp8engine.ops.comm import GatherInFlight
 from fp8engine.parallel.fp8_comm import all_gather_dim0, all_gather_fp8_bytes, cast_and_all_gather_fp8
-from fp8engine.parallel.utils import all_reduce, divide, get_group_rank, get_group_size, reduce_scatter_dim0
+from fp8engine.parallel.utils import all_reduce, get_group_size, reduce_scatter_dim0
 
-__all__ = ["TPLinearComm", "PARALLEL_MODES", "set_tp_comm_overlap", "all_gather_block_rows", "all_gather_block_cols"]
+__all__ = ["TPLinearComm", "PARALLEL_MODES", "all_gather_block_rows", "all_gather_block_cols"]
 
 #: Values of ``TPLinearComm.parallel_mode``.
 PARALLEL_MODES = ("column", "row")
@@ -105,8 +96,6 @@ class TPLinearComm:
         sequence_parallel: activations outside the layer are sequence shards ``[s/tp, b, h]``.
         fp8_all_gather: under FP8, a column layer's sequence-parallel all-gather moves FP8 bytes (else high
             precision, cast after the gather).
-        overlap: split the GEMMs of sequence-parallel layers by rows to overlap their collectives (module
-            docstring; Megatron's ``tp_comm_overlap``).
     Raises:
         ValueError: an unknown ``parallel_mode``.
     """
@@ -115,9 +104,7 @@ class TPLinearComm:
     parallel_mode: str = "column"
     sequence_parallel: bool = False
     fp8_all_gather: bool = True
-    overlap: bool = True
     size: int = field(init=False)
-    rank: int = field(init=False)
     gathers_input: bool = field(init=False)
     reduces_output: bool = field(init=False)
 
@@ -127,7 +114,6 @@ class TPLinearComm:
                              f"{self.parallel_mode!r}")
         size = get_group_size(self.tp_group)  # once: the hooks run per layer per micro-batch
         object.__setattr__(self, "size", size)
-        object.__setattr__(self, "rank", get_group_rank(self.tp_group))
         object.__setattr__(self, "gathers_input", self.parallel_mode == "column" and self.sequence_parallel
                            and size > 1)
         object.__setattr__(self, "reduces_output", self.parallel_mode == "row")
@@ -135,19 +121,10 @@ class TPLinearComm:
     def gather_input(self, x: torch.Tensor, quantizer: Optional[Quantizer], transpose: bool
                      ) -> tuple[Union[torch.Tensor, Float8Tensor], Optional[Union[torch.Tensor, Float8Tensor]]]:
         """All-gather the sequence shard ``x [m, K]`` along dim 0 to ``[tp * m, K]``: ``(total, shard)`` as
-        :meth:`fp8engine.ops.comm.LinearComm.gather_input` describes (FP8 bytes with ``fp8_all_gather``); with
-        ``overlap`` ``total`` is a :class:`~fp8engine.ops.comm.GatherInFlight` (high precision outside autocast,
-        or the FP8 all-gather of per-tensor scaling)."""
-        overlap = self.overlap and not torch.compiler.is_compiling()
+        :meth:`fp8engine.ops.comm.LinearComm.gather_input` describes (FP8 bytes with ``fp8_all_gather``)."""
         if quantizer is None:
-            if overlap and not torch.is_autocast_enabled(x.device.type):  # (autocast takes no out= GEMMs)
-                total, work = all_gather_dim0(x, self.tp_group, async_op=True)
-                return GatherInFlight(x, total, work.wait, self.rank, self.size), x
             return all_gather_dim0(x, self.tp_group)[0], x
         if self.fp8_all_gather and not quantizer.is_block:
-            if overlap:
-                local, total, finish = cast_and_all_gather_fp8(x, quantizer, self.tp_group, async_op=True)
-                return GatherInFlight(local, total, finish, self.rank, self.size), local
             local, total = cast_and_all_gather_fp8(x, quantizer, self.tp_group)
             return total, local
         if self.fp8_all_gather and x.shape[0] % _B == 0:  # block scaling: the scales travel with the data
@@ -185,26 +162,6 @@ class TPLinearComm:
             return all_reduce(dx, self.tp_group, async_op=True)
         return reduce_scatter_dim0(dx, self.tp_group, async_op=True)
 
-    def fprop_reduce(self, fprop, rows: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Row parallel: the SUM over the group of the partial fprop output ``[rows, n]`` (``fprop(start, stop,
-        out)`` its rows, :meth:`fp8engine.ops.comm.LinearComm.fprop_reduce`); with sequence parallelism and
-        ``overlap`` the other ranks' rows are computed and reduce-scattered first, beside this rank's rows' GEMM
-        (module docstring). Raises ValueError when ``rows`` is not divisible by the group's size (sequence
-        parallel)."""
-        if not (self.parallel_mode == "row" and self.sequence_parallel and self.size > 1 and self.overlap
-                and not torch.compiler.is_compiling()):
-            return self.reduce_output(fprop(0, rows, None))
-        m, rank = divide(rows, self.size, "tokens of a sequence-parallel row layer"), self.rank
-        y = torch.empty(rows, n, dtype=dtype, device=device)
-        for start, stop in ((0, rank * m), ((rank + 1) * m, rows)):
-            if stop > start:
-                fprop(start, stop, y[start:stop])
-        y[rank * m:(rank + 1) * m].zero_()
-        out, work = reduce_scatter_dim0(y, self.tp_group, async_op=True)
-        own = fprop(rank * m, (rank + 1) * m, None)
-        work.wait()
-        return out.add_(own)
-
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
         """Row parallel: the SUM over the group of the partial ``y [M, N]`` (a fresh GEMM output, all-reduced in
         place), reduce-scattered to ``[M / tp, N]`` with sequence parallelism. Column parallel: ``y``."""
@@ -219,24 +176,3 @@ class TPLinearComm:
         if self.parallel_mode == "row" and self.sequence_parallel and self.size > 1:
             return all_gather_dim0(dy, self.tp_group)[0]
         return dy
-
-
-def set_tp_comm_overlap(model: torch.nn.Module, enabled: bool) -> int:
-    """Switch the overlap (``TPLinearComm.overlap``, module docstring) of every tensor-parallel linear in ``model``
-    (the ``_comm`` / ``_comms`` of fp8engine's modules and parallel layers) on or off; returns how many
-    :class:`TPLinearComm` objects were set. The flag ``--no-tp-comm-overlap`` of the training command calls it."""
-    count = 0
-
-    def switched(comm):
-        nonlocal count
-        if isinstance(comm, TPLinearComm):
-            count += 1
-            return replace(comm, overlap=enabled)
-        return comm
-
-    for module in model.modules():
-        if isinstance(getattr(module, "_comm", None), TPLinearComm):
-            module._comm = switched(module._comm)
-        if isinstance(getattr(module, "_comms", None), tuple):
-            module._comms = tuple(switched(c) for c in module._comms)
-    return count

@@ -106,9 +106,6 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun; the other "
                                                      "processes form data-parallel replicas)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: norms/dropout on sequence shards")
-    p.add_argument("--no-tp-comm-overlap", dest="tp_comm_overlap", action="store_false",
-                   help="with --sequence-parallel: run each GEMM whole, then its all-gather / reduce-scatter (default: "
-                        "split by rows, this rank's rows beside the collective)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard the data-parallel replicas' parameters, gradients and AdamW state with FSDP2 "
                         "(fully_shard per layer; composes with --tp as a 2-D mesh) instead of replicating them")

@@ -52,9 +52,6 @@ class RecordingComm:
         self.log.append("start dgrad comm")
         return dx, _Work(self.log, "dgrad comm")
 
-    def fprop_reduce(self, fprop, rows, n, dtype, device):  # the plain form (LinearComm's docstring)
-        return self.reduce_output(fprop(0, rows, None))
-
     def reduce_output(self, y):
         if self.reduces_output:
             self.log.append("reduce output")
