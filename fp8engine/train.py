@@ -68,8 +68,8 @@ from fp8engine.training import UsageError
 from fp8engine.training.checkpoint import (CHECKPOINT_NAME, atomic_write, capture_rng_state, checkpoint_paths,
                                            load_checkpoint, restore_rng_state, save_checkpoint)
 from fp8engine.training.guard import NonFiniteGuard
-from fp8engine.training.distributed import (Layout, all_reduce_sum, check_layout, clip_grad_norm, env_world_size,
-                                            init_layout, wait_for_all)
+from fp8engine.training.distributed import (Layout, all_reduce_sum, all_reduce_sum_, check_layout, clip_grad_norm,
+                                            env_world_size, init_layout, wait_for_all)
 from fp8engine.training.sharded_checkpoint import (SHARDED_DIR, CheckpointNotWritten, has_sharded, load_sharded,
                                                    read_sharded_settings, reshardable, save_sharded, select_sharded)
 from fp8engine.training.data import TokenData, batch_seed, check_seq_len, get_batch, load_data
@@ -316,12 +316,16 @@ def make_step(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torc
 
 
 def step_batches(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets of ``step`` for this data-parallel rank: ``[grad_accum, b, s]`` int64 each (CPU)."""
+    """Inputs and targets of ``step`` for this data-parallel rank: ``[grad_accum, b, s]`` int64 each (CPU; in
+    pinned memory for a CUDA run, so the step's copy to the device does not wait for the steps queued before)."""
     args, layout = run.args, run.layout
     pairs = [get_batch(run.data.train, args.batch_size, args.seq_len,
                        batch_seed(args.seed, "train", step, micro * layout.dp_size + layout.dp_rank))
              for micro in range(args.grad_accum)]
-    return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+    xs, ys = torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+    if run.device.type == "cuda":
+        xs, ys = xs.pin_memory(), ys.pin_memory()
+    return xs, ys
 
 
 @torch.no_grad()
@@ -414,41 +418,67 @@ def train(run: Run, model: GPT, step_model: torch.nn.Module, optimizer: torch.op
                disable=not main_rank)
     step, skipped = start, 0
     saved = start if run.checkpoint is not None else None  # step of the newest checkpoint in --out
+
+    def handle(record: dict[str, Any], ahead: bool) -> bool:
+        """Log one finished step's record; returns True when the loop must end. ``ahead``: the next step is already
+        queued on the device (never a step that evaluates, checkpoints or stops: those are read at once)."""
+        nonlocal skipped, saved
+        step = record["step"]
+        if record.pop("found_inf"):
+            skipped += 1
+            what = (f"non-finite loss ({record['loss']})" if not math.isfinite(record["loss"]) else
+                    f"non-finite gradient norm (loss {record['loss']:.4g})")
+            what += f" at step {step}; the step was not applied"
+            if skipped > args.skip_nonfinite:
+                hint = (f"{skipped} in a row, --skip-nonfinite {args.skip_nonfinite}" if args.skip_nonfinite
+                        else "pass --skip-nonfinite N to skip such steps, or lower --lr")
+                raise NonFiniteStop(f"{what}; stopping ({hint}){_kept_checkpoint(run, saved)}")
+            if main_rank:
+                bar.write(f"skipped: {what} ({skipped} in a row, at most {args.skip_nonfinite})")
+            record["skipped"] = True
+        else:
+            skipped = 0
+        if step % args.eval_interval == 0 or step == args.steps:
+            record["val_loss"] = evaluate(run, model)
+            if main_rank:
+                bar.write(f"step {step}: train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f}")
+        log.log(record)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                        lr=f"{record['lr']:.2e}")
+        bar.update(1)
+        if ahead:
+            return False
+        if "val_loss" in record or step == end or stop.requested:
+            _save(run, model, optimizer, step)
+            saved = step if run.out is not None else None
+            _plot_health(run)
+        if stop.requested:
+            bar.write(f"stopped at step {step}" + (f"; continue with --resume --out {run.out}"
+                                                   if run.out else ""))
+            return True
+        return False
+
     # Multi-rank runs keep Ctrl-C's default (ranks could stop at different steps and hang a collective).
     with _GracefulStop(enabled=run.layout.world_size == 1) as stop:
         try:
+            pending, last = None, time.perf_counter()
             for step in range(start + 1, end + 1):
-                record = _one_step(run, step_fn, optimizer, step, tokens_per_step, model)
-                if record.pop("found_inf"):
-                    skipped += 1
-                    what = (f"non-finite loss ({record['loss']})" if not math.isfinite(record["loss"]) else
-                            f"non-finite gradient norm (loss {record['loss']:.4g})")
-                    what += f" at step {step}; the step was not applied"
-                    if skipped > args.skip_nonfinite:
-                        hint = (f"{skipped} in a row, --skip-nonfinite {args.skip_nonfinite}" if args.skip_nonfinite
-                                else "pass --skip-nonfinite N to skip such steps, or lower --lr")
-                        raise NonFiniteStop(f"{what}; stopping ({hint}){_kept_checkpoint(run, saved)}")
-                    if main_rank:
-                        bar.write(f"skipped: {what} ({skipped} in a row, at most {args.skip_nonfinite})")
-                    record["skipped"] = True
-                else:
-                    skipped = 0
-                if step % args.eval_interval == 0 or step == args.steps:
-                    record["val_loss"] = evaluate(run, model)
-                    if main_rank:
-                        bar.write(f"step {step}: train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f}")
-                log.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                lr=f"{record['lr']:.2e}")
-                bar.update(1)
-                if "val_loss" in record or step == end or stop.requested:
-                    _save(run, model, optimizer, step)
-                    saved = step if run.out is not None else None
-                    _plot_health(run)
-                if stop.requested:
-                    bar.write(f"stopped at step {step}" + (f"; continue with --resume --out {run.out}"
-                                                           if run.out else ""))
+                # On CUDA the loss of step N is read once step N + 1 is queued (one step behind), so the GPU does
+                # not wait for the host between steps; a step that evaluates, checkpoints, records FP8 stats or
+                # stops is read at once, before the next step changes the weights (and on the CPU every step).
+                launched = launch_step(run, step_fn, optimizer, step, model)
+                if pending is not None:
+                    record, last = finish_step(run, pending, tokens_per_step, last)
+                    handle(record, ahead=True)
+                    pending = None
+                if (launched.ready is not None and not launched.stats and not stop.requested and step != end
+                        and step % args.eval_interval and step != args.steps):
+                    pending = launched
+                    continue
+                record, _ = finish_step(run, launched, tokens_per_step, last)
+                if handle(record, ahead=False):
                     break
+                last = time.perf_counter()  # (the next step's time starts after this one's evaluation, checkpoint)
         finally:
             bar.close()
             log.close()
@@ -465,30 +495,58 @@ def _kept_checkpoint(run: Run, saved: Optional[int]) -> str:
     return f"; the checkpoint of step {saved} in {run.out} is kept"
 
 
-def _one_step(run: Run, step_fn: TrainStep, optimizer: torch.optim.Optimizer, step: int,
-              tokens_per_step: int, model: Optional[GPT] = None) -> dict[str, Any]:
-    """Run optimizer step ``step``; the loss is read back (one host synchronisation) once the step is done.
-    On ``--fp8-stats`` steps (``model`` given) the step runs eagerly with FP8 stats recording and the record gets
-    ``model``'s stats rows (one more read)."""
+@dataclass
+class LaunchedStep:
+    """A training step queued on the device (:func:`launch_step`) whose loss the host has not read yet."""
+
+    step: int
+    lr: float
+    values: torch.Tensor  # [loss, found_inf] summed over data-parallel ranks, on the host once ``ready`` is done
+    ready: Optional[torch.cuda.Event]  # recorded after the copy of ``values`` to the host (None: a CPU step)
+    stats: bool  # an --fp8-stats step (its stats are read with the loss)
+    model: Optional[GPT]
+
+
+def launch_step(run: Run, step_fn: TrainStep, optimizer: torch.optim.Optimizer, step: int,
+                model: Optional[GPT] = None) -> LaunchedStep:
+    """Queue optimizer step ``step`` (learning rate, batch, the step itself, the data-parallel sum of its loss and
+    ``found_inf``, and their copy to pinned host memory) without waiting for the device. On ``--fp8-stats`` steps
+    (``model`` given) the step runs eagerly with FP8 stats recording. :func:`finish_step` reads it."""
     args, layout = run.args, run.layout
     lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
-    t0 = time.perf_counter()
     set_lr(optimizer, lr)
     xs, ys = step_batches(run, step)
     stats_step = model is not None and args.fp8_stats > 0 and step % args.fp8_stats == 0
     with fp8_stats_recording(model, enabled=stats_step):
         loss_t = step_fn(xs, ys, eager=stats_step)
-    found = step_fn.found_inf
-    if found is None:
-        local, bad = loss_t.item(), 0.0
-    else:  # one read for both: the flag rides with the loss the host reads anyway
-        local, bad = torch.stack([loss_t.detach().float(), found]).tolist()
-    loss, bad = all_reduce_sum([local, bad], layout.dp_group, run.device)
-    record = {"step": step, "loss": loss / layout.dp_size, "lr": lr, "found_inf": bad > 0,
-              "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
-    if stats_step and layout.is_main:  # rank 0's casts (rank 0 writes metrics.jsonl)
-        record[STATS_KEY] = rows_to_json(fp8_stats(model))
-    return record
+    found = step_fn.found_inf  # (one transfer for both: the flag rides with the loss the host reads anyway)
+    values = torch.stack([loss_t.detach().double(), torch.zeros((), dtype=torch.float64, device=loss_t.device)
+                          if found is None else found.double()])
+    if layout.dp_group is not None:
+        all_reduce_sum_(values, layout.dp_group)
+    ready = None
+    if values.is_cuda:
+        host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        values, ready = host, torch.cuda.Event()
+        ready.record()
+    return LaunchedStep(step, lr, values, ready, stats_step, model if stats_step else None)
+
+
+def finish_step(run: Run, launched: LaunchedStep, tokens_per_step: int, since: float
+                ) -> tuple[dict[str, Any], float]:
+    """Wait for a :func:`launch_step` step's loss and return ``(record, now)``: the record of ``metrics.jsonl``
+    (``tokens_per_s`` over the time since ``since``, the previous step's finish: one step of a steady loop) and
+    the time it was read. On ``--fp8-stats`` steps the record gets the model's stats rows (one more read)."""
+    if launched.ready is not None:
+        launched.ready.synchronize()
+    loss, bad = launched.values.tolist()
+    now = time.perf_counter()
+    record = {"step": launched.step, "loss": loss / run.layout.dp_size, "lr": launched.lr, "found_inf": bad > 0,
+              "tokens_per_s": tokens_per_step / (now - since)}
+    if launched.stats and run.layout.is_main:  # rank 0's casts (rank 0 writes metrics.jsonl)
+        record[STATS_KEY] = rows_to_json(fp8_stats(launched.model))
+    return record, now
 
 
 def _plot_health(run: Run, records: Optional[list[dict[str, Any]]] = None) -> None:

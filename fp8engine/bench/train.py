@@ -172,6 +172,24 @@ def _peer_step(run, model, optimizer):
                     grad_averager=averager)
 
 
+def _timed_steps(run, step_fn, optimizer, steps: int) -> tuple[list[float], list[float]]:
+    """Steps ``1..steps`` as the command's loop runs them (:func:`fp8engine.train.launch_step`: on CUDA each loss
+    read once the next step is queued); returns (seconds per step: the time between two reads, losses)."""
+    from fp8engine import train as T
+
+    times, losses, pending, last = [], [], None, time.perf_counter()
+    for step in range(1, steps + 2):
+        launched = T.launch_step(run, step_fn, optimizer, step) if step <= steps else None
+        for done in ([pending] if pending is not None else []) + \
+                ([launched] if launched is not None and launched.ready is None else []):
+            record, now = T.finish_step(run, done, 1, last)
+            times.append(now - last)
+            losses.append(record["loss"])
+            last = now
+        pending = launched if launched is not None and launched.ready is not None else None
+    return times, losses
+
+
 def _timed_step(run, step_fn, optimizer, step: int) -> tuple[float, float]:
     """One optimizer step as the command runs it (lr set, batch built, loss and ``found_inf`` read back in one
     transfer); returns (seconds, loss)."""
@@ -211,11 +229,7 @@ def _run_mode(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     t_setup = time.perf_counter() - t_setup
     tokens = run.args.batch_size * run.args.seq_len * run.layout.dp_size  # the global batch of one step
     peak_memory_gib(reset=True)
-    times, losses = [], []
-    for step in range(1, args.steps + 1):
-        seconds, loss = _timed_step(run, step_fn, optimizer, step)
-        times.append(seconds)
-        losses.append(loss)
+    times, losses = _timed_steps(run, step_fn, optimizer, args.steps)
     timed = times[args.skip:]
     step_s = statistics.median(timed)
     flops = model_flops_per_token(run.config, run.args.seq_len) * tokens / step_s / 1e12

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from fp8engine.training import UsageError
 
 __all__ = ["Layout", "env_world_size", "check_layout", "init_layout", "clip_grad_norm", "all_reduce_sum",
-           "wait_for_all"]
+           "all_reduce_sum_", "wait_for_all"]
 
 
 @dataclass
@@ -95,6 +95,13 @@ def all_reduce_sum(values: list[float], group, device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     return t.tolist()
+
+
+def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
+    """SUM a device tensor across ``group`` in place, without a host synchronisation (identity for None)."""
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, tp_group,
