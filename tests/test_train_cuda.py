@@ -135,8 +135,9 @@ def test_compiled_graphed_run_logs_the_compiled_losses(tmp_path, recipe):
     atomic adds, whose order varies between runs). Measured on an H100 (torch 2.11): delayed scaling first differed
     at step 4, by 2e-6, in another run at step 3 by 4e-6, growing to 6e-5 by step 6 and 1.1e-4 by step 8 (2026-11-27);
     on an H200 beside the rest of the suite 4.2e-4 at step 5 and 5.2e-4 by step 8 (2026-11-28; bound 8e-4, still under
-    the 1e-3 a change of dropout masks makes, asserted below); current scaling at step 3 (eager in both runs), by 4e-5, growing to 5.3e-4 by
-    step 5 (bound 2e-3: current scaling's just-in-time scales pass the difference on). A replay that reused one
+    the 1e-3 a change of dropout masks makes, asserted below); current scaling at step 3 (eager in both runs), by
+    4e-5, growing to 5.3e-4 by step 5 (current scaling's just-in-time scales pass the difference on), on an H200
+    beside the suite 2.6e-3 at step 5 (2026-11-28; bound 5e-3). A replay that reused one
     dropout mask, or skipped the scale update, would be off by far more: under delayed scaling the same run with
     dropout 0 moves the losses by more than 1e-3 (asserted), so that bound tells masks apart."""
     flags = ["--precision", "fp8", "--recipe", recipe, "--steps", "8", "--eval-interval", "4", "--compile"]
@@ -144,7 +145,7 @@ def test_compiled_graphed_run_logs_the_compiled_losses(tmp_path, recipe):
     eager = torch.tensor(_run(tmp_path / "eager", *flags, "--dropout", "0.1", "--no-cuda-graphs"))
     if recipe == "delayed":
         no_dropout = torch.tensor(_run(tmp_path / "p0", *flags, "--dropout", "0", "--no-cuda-graphs"))
-    assert (graphed / eager - 1).abs().max() < (8e-4 if recipe == "delayed" else 2e-3), (graphed, eager)
+    assert (graphed / eager - 1).abs().max() < (8e-4 if recipe == "delayed" else 5e-3), (graphed, eager)
     if recipe == "delayed":
         assert (no_dropout / eager - 1)[3:].abs().max() > 1e-3
 

@@ -3,8 +3,9 @@
 steps, while a step that evaluates, checkpoints or ends the run is read before the next step is launched (the
 weights an evaluation or a checkpoint sees are that step's).
 
-CPU steps are synchronous, so the loop reads them at once; to exercise the one-step-behind order here, the
-launched steps are given a stand-in for the CUDA event (``ready``) that the loop waits on. The metrics must be those
+CPU steps are synchronous, so the loop reads them at once; to exercise the one-step-behind order on the CPU, the
+launched steps are given a stand-in for the CUDA event (``ready``) that the loop waits on (``--device cpu``: on a
+GPU machine the command's default device is the GPU, whose steps run one behind without it). The metrics must be those
 of the plain loop (the math does not depend on when the host reads)."""
 import json
 
@@ -41,7 +42,7 @@ def _run(tmp_path, monkeypatch, name, ahead: bool, log: list):
     monkeypatch.setattr(T, "finish_step", finish)
     monkeypatch.setattr(T, "evaluate", evaluate)
     out = tmp_path / name
-    assert T.main(["--model", "tiny", "--n-layer", "1", "--seq-len", "32", "--batch-size", "2", "--steps", "7",
+    assert T.main(["--device", "cpu", "--model", "tiny", "--n-layer", "1", "--seq-len", "32", "--batch-size", "2", "--steps", "7",
                    "--eval-interval", "3", "--eval-iters", "1", "--sample-tokens", "0", "--out", str(out)]) == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
