@@ -158,7 +158,9 @@ def prepare(args: argparse.Namespace) -> Run:
                          "--fsdp")
     fsdp_only = [flag for flag, given in (("--fp8-all-gather", args.fp8_all_gather),
                                           ("--no-fsdp-reshard-after-forward", not args.fsdp_reshard_after_forward),
-                                          ("--fsdp-reduce-dtype bf16", args.fsdp_reduce_dtype != "fp32")) if given]
+                                          ("--fsdp-reduce-dtype bf16", args.fsdp_reduce_dtype != "fp32"),
+                                          ("--fsdp-layers-per-group", args.fsdp_layers_per_group is not None))
+                 if given]
     if fsdp_only and not args.fsdp:
         raise UsageError(f"{', '.join(fsdp_only)} only apply with --fsdp; add --fsdp or drop them")
     if args.precision == "fp8" and args.recipe == "block":
@@ -242,7 +244,8 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
                       and run.args.recipe in ("delayed", "current"))
         reduce_dtype = torch.bfloat16 if run.args.fsdp_reduce_dtype == "bf16" else torch.float32
         shard_model(model, layout.dp_mesh, model.layers, param_dtype=param_dtype, fp8_all_gather=fp8_gather,
-                    reduce_dtype=reduce_dtype, reshard_after_forward=run.args.fsdp_reshard_after_forward)
+                    reduce_dtype=reduce_dtype, reshard_after_forward=run.args.fsdp_reshard_after_forward,
+                    layers_per_group=run.args.fsdp_layers_per_group or flags.FSDP_LAYERS_PER_GROUP)
     optimizer = make_optimizer(model, run.args.lr, run.args.weight_decay, run.device)
     if run.checkpoint is not None and layout.world_size > 1:
         saved_world = run.checkpoint["settings"]["world_size"]

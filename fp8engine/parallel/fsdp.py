@@ -29,13 +29,20 @@ __all__ = ["shard_model", "masters_of_fp8_primary_weights", "is_sharded", "local
 
 def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module], *,
                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = torch.float32,
-                reshard_after_forward: bool = True, fp8_all_gather: bool = False) -> torch.nn.Module:
-    """``fully_shard`` each of ``layers`` (e.g. ``model.layers``) and then ``model`` itself over ``mesh``.
+                reshard_after_forward: bool = True, fp8_all_gather: bool = False,
+                layers_per_group: int = 1) -> torch.nn.Module:
+    """``fully_shard`` ``layers`` (e.g. ``model.layers``) in groups of ``layers_per_group`` and then ``model``
+    itself over ``mesh``.
 
     Args:
         model: the root module (its remaining parameters, e.g. embedding and final norm, form the root's group).
         mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (``init_parallel(...).mesh["dp"]``).
-        layers: the submodules that get their own all-gather / reduce-scatter group, in forward order.
+        layers: the submodules to shard, in forward order.
+        layers_per_group: consecutive ``layers`` that form one FSDP2 group (``fully_shard`` of a list of
+            modules): all-gathered together before the first one's forward, reduce-scattered together after the
+            last one's backward. 1 is torchtitan's one group per transformer layer; more layers per group issue
+            fewer, larger collectives and run FSDP2's per-group host code (hooks, copy-in / copy-out) fewer times,
+            for the memory of that many gathered layers.
         param_dtype: all-gather and compute dtype of the parameters (None: their own, e.g. fp32).
         reduce_dtype: gradient reduce-scatter dtype (None: ``param_dtype``).
         reshard_after_forward: free each layer's gathered parameters after its forward (re-gathered for the
@@ -46,12 +53,14 @@ def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module],
     Returns:
         ``model`` (``fully_shard`` changes it in place into an ``FSDPModule``).
     Raises:
-        ValueError: ``mesh`` is not 1-D.
+        ValueError: ``mesh`` is not 1-D; ``layers_per_group`` is not a positive integer.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mesh.ndim != 1:
         raise ValueError(f"shard_model needs a 1-D data-parallel mesh, got {mesh.ndim}-D; pass mesh['dp']")
+    if isinstance(layers_per_group, bool) or not isinstance(layers_per_group, int) or layers_per_group < 1:
+        raise ValueError(f"layers_per_group must be a positive integer; got {layers_per_group!r}")
     if masters_of_fp8_primary_weights(model):
         fp8_all_gather = True  # the FP8 bytes on the wire are what the FP8 primary weights were for
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -62,8 +71,11 @@ def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module],
         from fp8engine.parallel.fsdp_fp8 import enable_fp8_all_gather
 
         enable_fp8_all_gather(model, mesh.size())
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    layers = list(layers)
+    for start in range(0, len(layers), layers_per_group):
+        group = layers[start:start + layers_per_group]
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for name, p in model.named_parameters():
         for key, value in marks.get(name, {}).items():

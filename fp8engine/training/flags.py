@@ -28,6 +28,8 @@ MODEL_DEFAULTS = {"tiny": (600, 16, 3e-3), "small": (5000, 64, 1e-3), "gpt2-124m
 #: ``--recipe`` -> the recipe class (built with its defaults; Float8BlockScaling: E4M3, power-of-two scales).
 RECIPES = {"delayed": fp8engine.DelayedScaling, "current": fp8engine.CurrentScaling,
             "block": fp8engine.Float8BlockScaling}
+#: ``--fsdp-layers-per-group`` when not given: transformer layers per FSDP2 group.
+FSDP_LAYERS_PER_GROUP = 1
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -118,6 +120,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "again for its backward (ZeRO-3, the default); --no-fsdp-reshard-after-forward keeps them "
                         "until the backward (one all-gather per layer and step instead of two; the gathered "
                         "layers' memory held across the forward: torchtitan's reshard_after_forward=False)")
+    p.add_argument("--fsdp-layers-per-group", type=int, metavar="N",
+                   help=f"with --fsdp: transformer layers per FSDP2 group, all-gathered and reduce-scattered "
+                        f"together (fewer, larger collectives and less of FSDP2's per-group host work; the memory "
+                        f"of N gathered layers; default {FSDP_LAYERS_PER_GROUP})")
     p.add_argument("--fsdp-reduce-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="with --fsdp: dtype of the gradients' reduce-scatter (fp32: the replicas' average rounded "
                         "once, as DDP's fp32 all-reduce; bf16: half the bytes, FSDP2's MixedPrecisionPolicy "
@@ -144,7 +150,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 _MIN_INT = {"steps": 1, "stop_at": 1, "batch_size": 1, "seq_len": 1, "n_layer": 1, "n_head": 1, "hidden_size": 1,
             "ffn_hidden_size": 1, "grad_accum": 1, "eval_interval": 1, "eval_iters": 1, "tp": 1,
             "warmup_steps": 0, "sample_tokens": 0, "skip_nonfinite": 0, "keep_checkpoints": 2, "seed": 0,
-            "fp8_stats": 0}
+            "fp8_stats": 0, "fsdp_layers_per_group": 1}
 #: Largest --seed: torch generators take 64-bit seeds, and tensor parallelism adds up to 2718 + tp rank to it.
 _MAX_SEED = 2**63 - 1
 

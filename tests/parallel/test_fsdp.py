@@ -373,3 +373,12 @@ def _load_resharded(rank, world_size, out, saved_world_size):
 def test_fsdp_checkpoint_reshards_onto_another_world_size(tmp_path, saved, loaded):
     run_ranks(_save_to_reshard, saved, tmp_path)
     run_ranks(_load_resharded, loaded, tmp_path, saved)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_layers_per_group_must_be_a_positive_integer(bad):
+    class _Mesh:  # the check comes before any use of the mesh
+        ndim = 1
+
+    with pytest.raises(ValueError, match="layers_per_group must be a positive integer"):
+        shard_model(torch.nn.Linear(2, 2), _Mesh(), [], layers_per_group=bad)
