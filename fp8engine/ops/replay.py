@@ -2,46 +2,30 @@
 
 Why: the fused FP8 layer step (:mod:`fp8engine.ops.layer`) issues the same ops, in the same order, with the same
 non-tensor arguments, on every call of a given configuration (shapes, dtypes, recipe, options), and at small
-shapes its time is the host's. About half of that host time is the Python around the ops -- the wrappers'
-checks, the quantizer and Float8Tensor objects, the choice of kernel -- not the ops themselves (H100,
-``[128, 1, 256]``, ``python tools/host_op_share.py@d6af129``: the FP8 delayed step's top-level ATen ops and kernel
-launches take 2.69 of its 5.75 profiled ms, where the plain PyTorch bf16 block's take 2.27 of 3.41 ms). A replay runs
-only the ops.
+shapes its time is the host's, about half of it the Python around the ops -- the wrappers' checks, the quantizer
+and Float8Tensor objects, the choice of kernel (H100, ``[128, 1, 256]``, ``python tools/host_op_share.py@d6af129``:
+the FP8 delayed step's top-level ATen ops and kernel launches take 2.69 of its 5.75 profiled ms, where the plain
+PyTorch bf16 block's take 2.27 of 3.41 ms). A replay runs only the ops.
 
 How:
 
-1. :class:`Recorder` runs a call of the ordinary code as a ``torch.overrides.TorchFunctionMode``: each torch
-   function and Tensor method called from Python (the outermost call only: what runs inside one is not seen) is
-   recorded with its arguments, and so is each Triton launch (:func:`fp8engine.kernels._common.launch`) and each
-   cuBLASLt call (:mod:`fp8engine.kernels.cublaslt`), which report themselves to the recorder (the
-   ``RECORDER`` context variable of ``kernels._common``). A tensor argument becomes a *slot*: one of the step's
+1. :class:`Recorder` runs a call of the ordinary code as a ``torch.overrides.TorchFunctionMode`` and records each
+   torch function and Tensor method called from Python (the outermost call only), and each Triton launch
+   (:func:`fp8engine.kernels._common.launch`) and cuBLASLt call (:mod:`fp8engine.kernels.cublaslt`), which report
+   themselves to the recorder (``kernels._common.RECORDER``). A tensor argument becomes a *slot*: one of the step's
    inputs, or the output of an earlier recorded op; every other argument is kept as a constant (shapes, dtypes,
-   scalars, the compiled kernel). Queries of what the key (below) pins (``x.shape``, ``data_ptr()``,
-   ``is_contiguous()``: ``_QUERIES``) only steer the Python and are not recorded; nor are conversions that return
-   their argument itself (``x.contiguous()`` of a contiguous ``x``: ``_NO_COPY``). A call that writes (below) is
-   recorded and kept whatever it returns.
+   scalars, the compiled kernel).
 2. :class:`Program` turns a recording into the source of one Python function (``Program.source``; print it to see
    what a step runs), e.g. ``s14 = c3(s2, 128, 768)`` for a torch op and
-   ``c9(1, 1, 1, stream, c10, c11, None, None, None, s14.data_ptr(), ...)`` for a Triton kernel, through its
-   compiled launcher (as the direct path of ``launch`` calls it), and compiles it with ``exec``. Ops whose outputs
-   nothing uses are dropped, and each slot is released after its last use, as the ordinary code drops its
-   intermediates. Two rewrites cut dispatched ops without changing a byte: a block that only launches write and
-   whose one use is a view of it (``torch.empty`` then ``.t()``: how the GEMMs take FP8 operands) is allocated in
-   that view's layout (``torch.empty_strided``, :func:`_fold_allocation_views`), and a chain of views whose links
-   nothing else reads becomes one ``torch.as_strided`` of its root (:func:`_collapse_view_chains`). A call of an
-   object with a ``by_address`` method (a planned cuBLASLt GEMM) is replayed as ``by_address`` with the addresses.
-   Allocations are pooled (:func:`_plan_pool`): the program's intermediate blocks (all of them in a small step,
-   else those of at most 64 KiB) are carved at 256-byte aligned offsets out of one ``torch.empty`` made when the
-   program starts; a pooled block that only launches and GEMMs read is never made as a tensor (they take the
-   pool's address plus its offset), the others are ``torch.as_strided`` views of the pool; blocks the program
-   returns (and those its outputs may view) keep their own allocations. The same bytes at equally aligned
-   addresses, fewer dispatched ops: on the H100, each ``torch.empty`` costs the host ~4-8 us and its release
-   ~1-2 us, as much as the launch that fills the block.
-3. A step split in two (an autograd forward and backward) records both: the backward's recorder resolves
-   tensors made in the forward to the forward's slots, and the forward program returns those (only those) for the
-   backward program to take (:class:`Pair`); a kept block the backward only views is allocated by the forward in
-   that view's layout (:func:`_fold_saved_views`); a pooled kept block the backward reads only by address passes
-   as that address (an int), with the pool it points into.
+   ``c9(1, 1, 1, stream, c10, c11, None, None, None, s14.data_ptr(), ...)`` for a Triton kernel through its
+   compiled launcher (as the direct path of ``launch`` calls it), and compiles it with ``exec``. Dead ops are
+   dropped and each slot is released after its last use, as the ordinary code drops its intermediates. Rewrites
+   cut dispatched ops without changing a byte: :func:`_fold_allocation_views`, :func:`_collapse_view_chains`,
+   :func:`_skip_pointer_views`, a planned cuBLASLt GEMM called ``by_address``, and the pool of intermediate blocks
+   (:func:`_plan_pool`).
+3. A step split in two (an autograd forward and backward) records both (:class:`Pair`): the backward's recorder
+   resolves tensors made in the forward to the forward's slots, and the forward program returns those (only those)
+   for the backward program to take (:func:`_fold_saved_views`).
 
 When a recording is sound, and when it is not (the recorder then gives up -- ``Recorder.error``, and
 :class:`Program` raises :class:`RecordAbort` --, and the caller keeps the ordinary code for that configuration
@@ -51,49 +35,31 @@ from then on; nothing is replayed). What the recorder enforces, at record time (
   (a module attribute, a cache) aborts the recording: it would be frozen into the program;
 - no recorded op output has a ``grad_fn`` (no autograd graph is built inside the step);
 - no integer argument of a launch is a device pointer (it would be frozen);
-- no call brings a tensor's value to the host, where the Python could branch on it or take a shape from it:
-  ``bool(t)`` (``if t.sum() > 0``), ``t.item()``, ``t.tolist()``, ``int(t)``, ``float(t)``, ``operator.index(t)``
-  (``lst[t]``), ``complex(t)``, ``format`` / ``repr`` / ``str``, ``x in t``, ``numpy()``, ``torch.equal``,
-  ``torch.allclose``, ``is_nonzero`` (``_HOST_READS``); ops whose output shape depends on values (``nonzero``,
-  ``masked_select``, ``unique``, ``bincount``, one-argument ``where``, ``repeat_interleave`` by a tensor, indexing
-  by a boolean mask: ``_VALUE_SHAPED``); a slice with a tensor bound (``x[:n]`` for a tensor ``n``); and any other
-  call that writes nothing and returns a Python value (a number, bool, string, list ...) rather than a tensor,
-  unless it is a known query of what the key pins (``_QUERIES``: shape, strides, dtype, ``data_ptr`` ...). What
-  runs inside a recorded call (the outermost call is what the mode sees and what a replay runs again whole) and
-  inside a launch or a ``Recorder.call`` is not looked at: it runs again, whole, on replay;
-- a call that writes into a tensor is recorded and kept, however it is called: by its ATen schema (an
-  ``OpOverload`` whose ``_schema.is_mutable``, e.g. ``torch.ops.aten.add_.Tensor`` -- its name does not end in
-  ``_`` --; a packet, torch function or Tensor method with an overload that writes (``Tensor(a!)``) an argument
-  this call passes: ``torch.ops.aten.add_``, ``torch._cummax_helper``), an in-place method (``x.add_``,
-  ``x[i] = v``, ``x += y``, ``x.data = y``), ``out=``, ``inplace=True``; a call that returns one of its arguments
-  and is not a known conversion (``F.relu(x, inplace=True)``), and one that returns None (made for its effect), are
-  taken as writes too (a replay runs them again: never wrong, at worst one op more);
+- no call brings a tensor's value to the host, where the Python could branch on it or take a shape from it
+  (``bool(t)``, ``t.item()``, ``int(t)``, ``lst[t]``, ``str(t)``, ``torch.equal`` ...: ``_HOST_READS``); no op
+  makes a shape from values (``nonzero``, one-argument ``where``, ``repeat_interleave`` by a tensor, indexing by a
+  boolean mask: ``_VALUE_SHAPED``); no slice has a tensor bound; and any other call that writes nothing and
+  returns a Python value rather than a tensor aborts, unless it is a known query of what the key pins
+  (``_QUERIES``: shape, strides, dtype, ``data_ptr`` ...), which only steers the Python and is not recorded; nor
+  are conversions that return their argument itself (``x.contiguous()`` of a contiguous ``x``: ``_NO_COPY``).
+  What runs inside a recorded call, a launch or a ``Recorder.call`` is not looked at: it runs again, whole;
+- a call that writes into a tensor is recorded and kept, however it is called: by its ATen schema
+  (:func:`_schema_writes`), an in-place method (``x.add_``, ``x[i] = v``, ``x += y``, ``x.data = y``), ``out=``,
+  ``inplace=True``, a batch norm's running statistics; a call that returns one of its arguments and is not a
+  known conversion (``F.relu(x, inplace=True)``), and one that returns None (made for its effect), are taken as
+  writes too (a replay runs them again: never wrong, at worst one op more);
 - the caller's key holds everything the Python of the step branches on: every input tensor's shape, strides,
-  dtype, device, ``requires_grad`` and pointer alignment (``data_ptr() % 256``: Triton specialises kernels on
-  16-byte alignment and cuBLASLt picks algorithms by it), the non-tensor configuration, and the process state the
-  ops dispatch on (``torch.autocast``, the backend switches of SDPA). Environment variables the kernels' Python
-  reads (``FP8ENGINE_EMULATE_FP8_CVT`` ...) are taken as they were when the step was recorded. Intermediate tensors
-  come from the caching allocator (512-byte aligned) or are views at fixed offsets of those, so their alignment
-  is the recorded one. The key is the caller's to get right (:mod:`fp8engine.ops.layer`); what the recorder cannot
-  see -- Python state read outside torch calls, such as a module attribute that is not a tensor -- is not checked
-  (``FP8ENGINE_REPLAY=check``, below, is how to find such a miss).
+  dtype, device, ``requires_grad`` and pointer alignment (:func:`tensor_key`; ``data_ptr() % 256``: Triton
+  specialises kernels on 16-byte alignment and cuBLASLt picks algorithms by it), the non-tensor configuration, and
+  the process state the ops dispatch on (``torch.autocast``, the backend switches of SDPA). Environment variables
+  the kernels' Python reads (``FP8ENGINE_EMULATE_FP8_CVT`` ...) are taken as they were when the step was
+  recorded. Intermediate tensors come from the caching allocator (512-byte aligned) or are views at fixed offsets
+  of those, so their alignment is the recorded one. The key is the caller's to get right
+  (:mod:`fp8engine.ops.layer`); what the recorder cannot see -- Python state read outside torch calls, such as a
+  module attribute that is not a tensor -- is not checked (``FP8ENGINE_REPLAY=check`` is how to find such a miss).
 
-The cache (:class:`ProgramCache`): programs by the caller's key, at most ``MAX_PROGRAMS`` of them, the least
-recently used out first (a replay moves its key to the end: one ``OrderedDict.move_to_end``). A recording costs
-host time and pays only where its configuration comes again, so after ``MISS_BUDGET`` recordings at a
-configuration's first call a new configuration is recorded only at its second call: a run whose shapes keep
-changing stops paying for recordings and runs the ordinary code; a shape that comes back is still replayed. A
-configuration whose recording was refused keeps its reason (a str) and runs the ordinary code, not re-recorded at
-every call; one whose backward never ran is tried ``MAX_RECORDINGS`` times. The cache the layer step uses is
-module-level (``fp8engine.ops.layer._PROGRAMS``): bounded as above, ``clear()`` empties it.
-
-Checking (``FP8ENGINE_REPLAY=check``, read at import; ``CHECK``): the cache stores each program as a
-:class:`Checked`, which runs the replay and then the ordinary code from the same state (the replay's writes to its
-inputs undone), compares the bits of every output and of every input the step may write (the scaling state), and
-raises :class:`ReplayMismatch` naming the first that differs; the ordinary code's results are kept. Slow (both
-run, and every input is copied); for tests and for hunting a key that misses something. Bits are compared, so an
-op whose bits vary from run to run (on CUDA, an attention backward that accumulates with atomics) can differ
-between any two runs, replayed or not: check with ``torch.use_deterministic_algorithms(True)`` where that shows.
+The cache of programs by the caller's key and the check of a replay against the ordinary code
+(``FP8ENGINE_REPLAY=check``) are in :mod:`fp8engine.ops.replay_cache`.
 
 Streams and devices: a replayed launch reads the current CUDA stream at the time of the replay, as ``launch``
 does. Under ``TRITON_INTERPRET=1`` launches are replayed through the interpreter (``kernel[grid](...)``).
@@ -132,7 +98,6 @@ _VALUE_SHAPED = frozenset({"nonzero", "argwhere", "masked_select", "unique", "un
                            "_unique2", "bincount"})
 #: Calls that return no tensor and read only what the key pins (shape, strides, dtype, device, alignment; the
 #: backend switches): they steer the Python the same way on every call of a configuration and are not recorded.
-#: Any other call that returns no tensor either writes (recorded) or returns a value (the recording aborts).
 _QUERIES = frozenset({"__get__", "size", "stride", "dim", "ndimension", "numel", "nelement", "element_size",
                       "data_ptr", "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
                       "is_inference", "is_pinned", "is_shared", "is_set_to", "is_same_size", "_is_view",
@@ -143,8 +108,7 @@ _QUERIES = frozenset({"__get__", "size", "stride", "dim", "ndimension", "numel",
 _METADATA_TYPES = (torch.Size, torch.dtype, torch.device, torch.layout, torch.memory_format, torch.UntypedStorage,
                    torch.TypedStorage)
 #: Calls that may return their argument itself without writing it (a conversion to what it already is): not
-#: recorded. Any other call that returns one of its arguments is recorded as writing into it (``F.relu(x,
-#: inplace=True)``), which replays it.
+#: recorded (any other call that returns one of its arguments is recorded as a write).
 _NO_COPY = frozenset({"contiguous", "to", "type", "type_as", "cpu", "cuda", "float", "double", "half", "bfloat16",
                       "int", "long", "short", "char", "byte", "bool", "flatten", "resolve_conj", "resolve_neg",
                       "conj"})
@@ -164,10 +128,8 @@ def _base_name(func) -> str:
 
 @functools.lru_cache(maxsize=1024)  # (a pure function of the op: its ATen schemas)
 def _aten_schemas(func) -> tuple:
-    """The ATen schemas a call of ``func`` may run: an ``OpOverload``'s own, an ``OpOverloadPacket``'s overloads',
-    or, for a torch function or Tensor method, those of the ATen op of its name (none for a Python-only name)."""
-    if isinstance(func, torch._ops.OpOverload):
-        return (func._schema,)
+    """The ATen schemas a call of ``func`` (not an ``OpOverload``) may run: an ``OpOverloadPacket``'s overloads', or,
+    for a torch function or Tensor method, those of the ATen op of its name (none for a Python-only name)."""
     packet = func
     if not isinstance(func, torch._ops.OpOverloadPacket):
         name = getattr(func, "__name__", "")
@@ -217,9 +179,7 @@ def _writes(func, name: str, args, kwargs) -> bool:
     if not isinstance(func, torch._ops.OpOverload) and (
             name in _MUTATING or (name.endswith("_") and not name.endswith("__"))):
         return True
-    if name in _UNMARKED_WRITES:
-        return True
-    if _tensors_in(kwargs.get("out")) or kwargs.get("inplace") is True:
+    if name in _UNMARKED_WRITES or _tensors_in(kwargs.get("out")) or kwargs.get("inplace") is True:
         return True
     return _schema_writes(func, args, kwargs)
 
@@ -242,14 +202,6 @@ def _host_read(name: str, args, kwargs) -> Optional[str]:
     if _slice_tensor(args) or _slice_tensor(tuple(kwargs.values())):
         return "a slice bound is a tensor (its value sets a shape)"
     return None
-
-
-def _value_result(name: str, out) -> Optional[str]:
-    """Why the result of a call that wrote nothing and returned no tensor may hold a tensor's value (a Python
-    number, bool, string, list ... from a call the recorder does not know for a query), or None."""
-    if name in _QUERIES or isinstance(out, _METADATA_TYPES):
-        return None
-    return f"{name}() returned a {type(out).__name__}, which may hold a tensor's value"
 
 
 def _slice_tensor(v) -> bool:
@@ -308,8 +260,7 @@ class _Op:
 
     def refs(self) -> list:
         found: list = []
-        _collect(self.args, found)
-        _collect(self.kwargs, found)
+        _collect((self.args, self.kwargs), found)
         return found
 
 
@@ -445,9 +396,8 @@ class Recorder(TorchFunctionMode):
             if out is None and name not in _QUERIES:
                 mutates = True  # a call made for its effect (record_stream ...): replayed as it was made
             elif not results:
-                why = _value_result(name, out)
-                if why is not None:
-                    raise RecordAbort(why)
+                if name not in _QUERIES and not isinstance(out, _METADATA_TYPES):  # (a number, bool, list ...)
+                    raise RecordAbort(f"{name}() returned a {type(out).__name__}, which may hold a tensor's value")
                 return  # a query (shape, data_ptr, is_contiguous ...): it only steered the Python
             elif all(any(r is a for a in _tensors_in((args, tuple(kwargs.values())))) for r in results):
                 if name in _NO_COPY:
@@ -464,8 +414,7 @@ class Recorder(TorchFunctionMode):
                     and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()):
                 view_of, rel = targs[0].slot, out.storage_offset() - args[0].storage_offset()
         if isinstance(out, torch.Tensor) and (alias_of is not None or view_of is not None or (
-                func is torch.empty and set(kwargs) <= {"dtype", "device"}) or (
-                func in (torch.empty_strided, torch.empty_like) and set(kwargs) <= {"dtype", "device"})):
+                func in (torch.empty, torch.empty_strided, torch.empty_like) and set(kwargs) <= {"dtype", "device"})):
             layout = (tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
         views = any(r._is_view() for r in results)  # (a known result -- written in place -- makes no slot)
         self.ops.append(_Op("call", func, targs, tkwargs, self._outputs(out), mutates, alias_of=alias_of,
@@ -523,24 +472,18 @@ class Program:
     of the values of ``rec.outer_refs``' outer slots, in that order (then ``extra_outer`` blocks), which the
     program empties (so each of those tensors is released after its last use here, as the ordinary backward drops
     the forward's tensors as it goes); ``kept`` a list: ``keep``'s values (``int_kept``: those returned as
-    addresses), then ``kept_blocks`` pooled blocks.
-
-    Pooled allocations (:func:`_plan_pool`, ``POOL``): the program's small intermediate blocks come from one
-    allocation per device, and a block only address readers read is never made as a tensor (its address is the
-    pool's plus its offset); the others are ``torch.as_strided`` views of the pool.
+    addresses), then ``kept_blocks`` pooled blocks (:func:`_plan_pool`).
     """
 
     def __init__(self, rec: Recorder, outputs, keep: Sequence[int] = (), keep_mode: Optional[dict] = None,
                  int_outer: frozenset = frozenset(), extra_outer: int = 0):
         if rec.error is not None:
             raise RecordAbort(rec.error)
-        out_t = outputs
-        pinned_out = _pinned_slots(out_t, keep)
+        pinned_out = _pinned_slots(outputs, keep)
         ops = _live_ops(rec.ops, pinned_out)
         if _fold_allocation_views(ops, pinned_out) | _collapse_view_chains(ops, pinned_out):
             ops = _live_ops(ops, pinned_out)
-        keep_mode = keep_mode or {}
-        pool = _plan_pool(ops, _pinned_slots(out_t, ()), keep, keep_mode) if POOL else _PoolPlan()
+        pool = _plan_pool(ops, _pinned_slots(outputs, ()), keep, keep_mode or {}) if POOL else _PoolPlan()
         self._pool, self._int = pool, set(int_outer)
         last: dict = {}
         for i, op in enumerate(ops):
@@ -567,8 +510,7 @@ class Program:
             if id(op) in pool.dropped:
                 slot = op.outs
                 if slot in pool.tensor:
-                    k, off, layout = pool.slots[slot]
-                    shape, stride, dt = layout[0], layout[1], layout[2]
+                    k, off, (shape, stride, dt, _) = pool.slots[slot]
                     j = pool.blocks[k][2].index(dt)
                     lines.append(f"    s{slot} = {self._const(torch.as_strided)}(_a{k}_{j}, {shape!r}, {stride!r}, "
                                  f"{off // dt.itemsize})")
@@ -580,13 +522,12 @@ class Program:
                 lines.append(f"    {' = '.join(f's{s}' for s in sorted(set(dead)))} = None")
         kept = [self._address(s) if s in pool.int_kept else f"s{s}" for s in keep]
         kept += [f"_a{k}" for k in pool.kept_blocks]
-        lines.append(f"    return {self._render(out_t)}, [{', '.join(kept)}]")
+        lines.append(f"    return {self._render(outputs)}, [{', '.join(kept)}]")
         self.source = "\n".join(lines)
         scope: dict = {}
         exec(compile(self.source, "<fp8engine replay>", "exec"), self._consts, scope)
         self._fn = scope["program"]
         self.n_ops = len(ops) - len(pool.dropped)
-        self.n_outer = len(rec.outer_refs)
         self.int_kept = frozenset(pool.int_kept)
         self.kept_blocks = len(pool.kept_blocks)
         self.pooled = len(pool.slots)
@@ -634,16 +575,13 @@ class Program:
                         f"{self._const(packed)}, None, None, None, {', '.join(args)}"
                         f"{', *' + self._const(tuple(tail)) if tail else ''})")
             else:
-                args = ", ".join(self._render(a) for a in op.args)
                 call = (f"{self._const(_common.launch_now)}({self._const(op.fn)}, {self._render(op.grid)}, "
-                        f"({args}{',' if len(op.args) == 1 else ''}), {self._const(dict(op.meta))})")
+                        f"{self._render(tuple(op.args))}, {self._const(dict(op.meta))})")
             return [f"    {call}"]
-        if _address_reader(op):  # (its result is not kept: Recorder.call)
-            args = [self._render(a, ptr=True) for a in op.args]
-            args += [f"{k}={self._render(v, ptr=True)}" for k, v in op.kwargs.items()]
+        ptr = _address_reader(op)
+        args = [self._render(a, ptr) for a in op.args] + [f"{k}={self._render(v, ptr)}" for k, v in op.kwargs.items()]
+        if ptr:  # (its result is not kept: Recorder.call)
             return [f"    {self._const(op.fn.by_address)}({', '.join(args)})"]
-        args = [self._render(a) for a in op.args]
-        args += [f"{k}={self._render(v)}" for k, v in op.kwargs.items()]
         call = f"{self._const(op.fn)}({', '.join(args)})"
         used = lambda s: s is not None and (s in last or s in pinned)  # noqa: E731
         if isinstance(op.outs, int):
@@ -694,22 +632,22 @@ def _alloc_bytes(op: _Op) -> Optional[int]:
     return math.prod(op.layout[0]) * op.layout[2].itemsize
 
 
-def _roots(ops: list) -> dict:
-    """slot -> the slots whose memory it may share (itself included), through every op that makes views."""
-    roots: dict = {}
+def _sharing(ops: list, slots) -> set:
+    """The slots whose memory may be shared with one of ``slots`` (theirs included), through every op of ``ops``
+    that makes views."""
+    roots: dict = {}  # slot -> the slots whose memory it may share (itself included)
     for op in ops:
         if op.kind == "call" and (op.views or op.alias_of is not None or op.view_of is not None):
-            src = set()
-            for s in op.refs():
-                src |= roots.get(s, {s})
+            src = set().union(*(roots.get(s, {s}) for s in op.refs()))
             for s in op.out_slots():
                 roots[s] = src | {s}
-    return roots
+    return set().union(*(roots.get(s, {s}) for s in slots))
 
 
 def _plan_pool(ops: list, outputs: set, keep: Sequence[int], keep_mode: dict) -> _PoolPlan:
     """Pool the program's intermediate allocations: one block per device holds them at 256-byte aligned offsets,
-    allocated when the program starts (module docstring).
+    allocated when the program starts; a pooled block only address readers (:func:`_address_reader`) read is never
+    made as a tensor (its address is the pool's plus its offset), the others are ``torch.as_strided`` views of it.
 
     Why: each ``torch.empty`` costs the host ~4-8 us (and its release ~1-2 us), about as much as the launch that
     fills the block; a small FP8 layer step allocates ~60 blocks (``python tools/replay_lines.py``).
@@ -720,13 +658,7 @@ def _plan_pool(ops: list, outputs: set, keep: Sequence[int], keep_mode: dict) ->
     backward's end for a pool holding kept blocks), so a step holds at most ``POOL_ALL_BYTES`` per pool longer than
     the ordinary step would, and a large step only its small blocks."""
     plan = _PoolPlan()
-    roots = _roots(ops)
-    escaping = set()
-    for s in outputs:
-        escaping |= roots.get(s, {s})
-    for s in keep:
-        if keep_mode.get(s) == "alias":
-            escaping |= roots.get(s, {s})
+    escaping = _sharing(ops, [*outputs, *(s for s in keep if keep_mode.get(s) == "alias")])
     cands = [(op, n) for op in ops if (n := _alloc_bytes(op)) is not None and n > 0 and op.outs not in escaping]
     if not cands:
         return plan
@@ -752,9 +684,8 @@ def _plan_pool(ops: list, outputs: set, keep: Sequence[int], keep_mode: dict) ->
             plan.dropped.add(id(op))
     # a pooled slot read as a tensor (by any op but an address reader or a dropped view) is made as one
     for op in ops:
-        if id(op) in plan.dropped or _address_reader(op):
-            continue
-        plan.tensor.update(s for s in op.refs() if s in plan.slots)
+        if id(op) not in plan.dropped and not _address_reader(op):
+            plan.tensor.update(s for s in op.refs() if s in plan.slots)
     for s in keep:
         if s in plan.slots:
             if keep_mode.get(s) == "address" and s not in plan.tensor:
@@ -764,12 +695,10 @@ def _plan_pool(ops: list, outputs: set, keep: Sequence[int], keep_mode: dict) ->
     dtypes: dict = {}
     for s in plan.tensor:
         k, _, layout = plan.slots[s]
-        dtypes.setdefault(k, [])
-        if layout[2] not in dtypes[k]:
+        if layout[2] not in dtypes.setdefault(k, []):
             dtypes[k].append(layout[2])
-    plan.blocks = [None] * len(pools)
-    for device, (k, nbytes) in pools.items():
-        plan.blocks[k] = (device, max(-(-nbytes // _POOL_ALIGN) * _POOL_ALIGN, _POOL_ALIGN), dtypes.get(k, []))
+    plan.blocks = [(device, max(-(-nbytes // _POOL_ALIGN) * _POOL_ALIGN, _POOL_ALIGN), dtypes.get(k, []))
+                   for device, (k, nbytes) in pools.items()]  # (k: the pool's index, in insertion order)
     plan.kept_blocks = sorted({plan.slots[s][0] for s in plan.int_kept})
     return plan
 
@@ -855,11 +784,6 @@ def _address_reader(op: _Op) -> bool:
             else op.kind == "call" and getattr(op.fn, "by_address", None) is not None)
 
 
-def _only_addresses(ops: list) -> bool:
-    """Whether every op here reads its tensors only for their addresses (:func:`_address_reader`)."""
-    return all(_address_reader(op) for op in ops)
-
-
 def _fold_allocation_views(ops: list, pinned: set) -> bool:
     """Allocate a block directly in the layout of the one view the step takes of it (``torch.empty`` then
     ``.t()`` / ``.reshape(...)`` becomes one ``torch.empty_strided``), where the block is otherwise only written
@@ -873,12 +797,11 @@ def _fold_allocation_views(ops: list, pinned: set) -> bool:
         if alloc is None or alloc.outs in pinned or not _foldable_view(view, alloc):  # (alias_of: its address)
             continue
         others = [r for r in readers.get(alloc.outs, []) if r is not view]
-        if not _only_addresses(others):
+        if not all(map(_address_reader, others)):
             continue
         _allocate_as(alloc, view.layout)
-        old = alloc.outs
+        _rename(others, alloc.outs, view.outs)
         alloc.outs = view.outs
-        _rename(others, old, view.outs)
         view.kind = "folded"
         folded = True
     return folded
@@ -897,13 +820,12 @@ def _collapse_view_chains(ops: list, pinned: set) -> bool:
             continue
         src = op.view_of
         base, off = root.get(src, (src, 0))
-        root[op.outs] = (base, off + op.rel)
+        off += op.rel
+        root[op.outs] = (base, off)
         if (src in root and src not in pinned
                 and all(r.kind == "call" and r.view_of == src for r in readers.get(src, []))):
-            shape, stride = op.layout[0], op.layout[1]
-            op.fn, op.args, op.kwargs = torch.as_strided, (_Ref(base), shape, stride, _Offset(base, off + op.rel)), {}
-            op.view_of, op.rel = base, off + op.rel
-            op.alias_of = base if off + op.rel == 0 else None
+            op.fn, op.args, op.kwargs = torch.as_strided, (_Ref(base), *op.layout[:2], _Offset(base, off)), {}
+            op.view_of, op.rel, op.alias_of = base, off, base if off == 0 else None
             changed = True
     return changed
 
@@ -923,7 +845,7 @@ def _fold_saved_views(fwd: Recorder, fwd_outputs: set, keep: Sequence[int], bwd:
             continue
         view = users[0]
         if (view.alias_of != slot or view.outs in bwd_pinned or not _foldable_view(view, alloc)
-                or not _only_addresses(fwd_readers.get(outer, []))):
+                or not all(map(_address_reader, fwd_readers.get(outer, [])))):
             continue
         _allocate_as(alloc, view.layout)
         _rename(bwd_ops, view.outs, slot)
@@ -964,18 +886,14 @@ class Pair:
         keep = [outer for outer, _ in bwd.outer_refs]  # the forward slots the backward reads
         bwd_pinned = _pinned_slots(bwd_outputs, ())
         _fold_saved_views(fwd, _pinned_slots(fwd_outputs, ()), keep, bwd, bwd_pinned)
-        # how the backward reads each kept slot: only its address (a pooled one may then pass as an int), or
-        # through views that may become its outputs (the forward must not pool it), or as a tensor
+        # how the backward reads each kept slot (Program's keep_mode)
         bwd_ops = _live_ops(bwd.ops, bwd_pinned)
-        readers, roots = _readers(bwd_ops), _roots(bwd_ops)
-        escaping = set()
-        for s in bwd_pinned:
-            escaping |= roots.get(s, {s})
+        readers, escaping = _readers(bwd_ops), _sharing(bwd_ops, bwd_pinned)
         mode = {}
         for outer, slot in bwd.outer_refs:
             if slot in escaping:
                 mode[outer] = "alias"
-            elif readers.get(slot) and _only_addresses(readers[slot]):
+            elif readers.get(slot) and all(map(_address_reader, readers[slot])):
                 mode[outer] = "address"
         self.fwd = Program(fwd, fwd_outputs, keep=keep, keep_mode=mode)
         int_outer = frozenset(slot for outer, slot in bwd.outer_refs if outer in self.fwd.int_kept)

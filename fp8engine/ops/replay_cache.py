@@ -1,6 +1,9 @@
 """The cache of recorded programs (:class:`ProgramCache`) and the check of a replay against the ordinary code
 (:class:`Checked`, ``FP8ENGINE_REPLAY=check``), for the recorder and replayer of :mod:`fp8engine.ops.replay` (whose
-module docstring says what a recording enforces, what the cache bounds and what the check compares).
+module docstring says what a recording enforces).
+
+A configuration whose recording was refused keeps its reason (a str) in the cache and runs the ordinary code, not
+re-recorded at every call. The layer step's cache is module-level (``fp8engine.ops.layer._PROGRAMS``).
 """
 from __future__ import annotations
 
@@ -14,9 +17,7 @@ from fp8engine.ops.replay import Pair
 
 __all__ = ["CHECK", "ProgramCache", "Checked", "ReplayMismatch", "MAX_PROGRAMS", "MISS_BUDGET", "MAX_RECORDINGS"]
 
-# ---------------------------------------------------------------------------------------------------------------
-#: ``FP8ENGINE_REPLAY=check`` (read at import): a cache stores each recorded :class:`Pair` as a :class:`Checked`,
-#: which runs the replay and the ordinary code side by side and compares their bits (module docstring).
+#: ``FP8ENGINE_REPLAY=check`` (read at import): a cache stores each recorded :class:`Pair` as a :class:`Checked`.
 CHECK = os.environ.get("FP8ENGINE_REPLAY", "1") == "check"
 #: Configurations a :class:`ProgramCache` keeps (least recently used out first). A steady training run has a
 #: handful; a program holds no tensor (the recorder refuses those it neither takes nor makes), only its generated
@@ -24,37 +25,30 @@ CHECK = os.environ.get("FP8ENGINE_REPLAY", "1") == "check"
 #: few MiB of host memory.
 MAX_PROGRAMS = 256
 #: Recordings at a configuration's first call a :class:`ProgramCache` makes before it records a configuration only
-#: at its second call. Why: a recording costs host time (the recorder's mode around every torch call, the program's
-#: generation), paid back only where the configuration comes again, and a run whose shapes keep changing (a new
-#: sequence length at every step) sees most configurations once: issue 44 measured such a run 4.2x slower with the
-#: replay on (CPU); on the H100 machine's CPU, 40 steps of new lengths (the layer at H=64, FFN=128, 4 heads, batch
-#: 2, lengths 56..95) took 2.91 s with the replay off, 3.76 s with every length recorded and 2.98 s with this budget.
-#: 8 is twice what a run of one model makes (with and without the FP8 weight casts, the first layer's input with
-#: and without grad), so a steady run records every configuration at its first call, and a run of changing shapes
-#: wastes at most 8 recordings, then runs the ordinary code for each new shape, recording only those that come
-#: back.
+#: at its second call. A recording costs host time (the recorder's mode around every torch call, the program's
+#: generation), paid back only where the configuration comes again, and a run whose shapes keep changing sees most
+#: configurations once: issue 44 measured such a run 4.2x slower with the replay on (CPU); on the H100 machine's
+#: CPU, 40 steps of new lengths (the layer at H=64, FFN=128, 4 heads, batch 2, lengths 56..95) took 2.91 s with the
+#: replay off, 3.76 s with every length recorded and 2.98 s with this budget. 8 is twice what a run of one model
+#: makes (with and without the FP8 weight casts, the first layer's input with and without grad).
 MISS_BUDGET = 8
-#: Recordings started per configuration before it is given up (a recorded forward whose backward never runs, e.g.
-#: a loss not back-propagated, leaves its configuration unrecorded).
+#: Recordings started per configuration before it is given up (a forward whose backward never runs leaves it
+#: unrecorded).
 MAX_RECORDINGS = 3
 
 
 class ProgramCache:
-    """Recorded programs by configuration key (module docstring, "The cache"): bounded, least recently used out
-    first, with a budget of recordings at a configuration's first call.
+    """Recorded programs by configuration key (module docstring): at most ``size`` (``MAX_PROGRAMS``), least
+    recently used out first, ``miss_budget`` recordings at a configuration's first call (``MISS_BUDGET``),
+    ``attempts`` recordings started per configuration before it is given up (``MAX_RECORDINGS``); ValueError for a
+    size or attempts below 1 or a negative budget.
 
     ``get(key)`` -> the program (a :class:`Pair`, or a :class:`Checked` under ``CHECK``), a str (why the
     configuration is not replayed), an int (recordings started, none finished), or None (not seen); the caller
-    replays a program and calls ``move_to_end(key)`` (both plain ``OrderedDict`` methods: the replay's hot path),
-    else asks :meth:`start` whether to record this call, and stores what the recording gave with
-    ``cache[key] = program_or_reason``.
-
-    Args:
-        size: configurations kept (``MAX_PROGRAMS``).
-        miss_budget: recordings at a configuration's first call before a configuration is recorded only at its
-            second (``MISS_BUDGET``).
-        attempts: recordings started per configuration before it is given up (``MAX_RECORDINGS``).
-    ``recordings`` counts the recordings started, ``misses`` those at a configuration's first call.
+    replays a program and calls ``move_to_end(key)`` (both the ``OrderedDict``'s own methods: the replay's hot
+    path), else asks :meth:`start` whether to record this call, and stores what the recording gave with
+    ``cache[key] = program_or_reason``. ``recordings`` counts the recordings started, ``misses`` those at a
+    configuration's first call.
     """
 
     def __init__(self, size: int = MAX_PROGRAMS, miss_budget: int = MISS_BUDGET, attempts: int = MAX_RECORDINGS):
@@ -64,8 +58,8 @@ class ProgramCache:
         self.size, self.miss_budget, self.attempts = size, miss_budget, attempts
         self._entries: OrderedDict = OrderedDict()  # key -> program / reason (str) / recordings started (int)
         self._seen: OrderedDict = OrderedDict()  # keys called once and not recorded (the budget spent), bounded
-        self.get = self._entries.get
-        self.move_to_end = self._entries.move_to_end
+        self.get, self.move_to_end = self._entries.get, self._entries.move_to_end
+        self.keys, self.values, self.items = self._entries.keys, self._entries.values, self._entries.items
         self.recordings = self.misses = 0
 
     def start(self, key) -> bool:
@@ -112,15 +106,6 @@ class ProgramCache:
     def __iter__(self):
         return iter(self._entries)
 
-    def keys(self):
-        return self._entries.keys()
-
-    def values(self):
-        return self._entries.values()
-
-    def items(self):
-        return self._entries.items()
-
     def clear(self) -> None:
         """Forget every configuration and reset the budget and the counts."""
         self._entries.clear()
@@ -143,15 +128,22 @@ class Checked:
     saved)`` checks the backward as the forward. The tensors a step may write are its inputs (a tensor the recording
     does not know aborts it; for the backward, the forward's inputs then its own, numbered so in the error),
     compared after the replay and after the ordinary code, each run from the inputs as they were (the other's
-    writes undone)."""
+    writes undone).
+
+    Slow (both run, and every input is copied): for tests and for hunting a key that misses something. An op whose
+    bits vary from run to run (on CUDA, an attention backward that accumulates with atomics) can differ between any
+    two runs, replayed or not: check with ``torch.use_deterministic_algorithms(True)`` where that shows."""
 
     def __init__(self, pair: Pair):
         self.pair = pair
 
     def forward(self, inputs: Sequence, eager: Callable, eager_backward: Callable):
-        # the replay first, the ordinary code last: what the ordinary forward saves for its backward is not
-        # written afterwards (autograd's in-place check)
-        got, saved, written = _run_from(inputs, lambda: self.pair.forward(inputs))
+        # the replay first, then the inputs as they were, the ordinary code last: what the ordinary forward saves
+        # for its backward is not written afterwards (autograd's in-place check)
+        before = _snapshot(inputs)
+        got, saved = self.pair.forward(inputs)
+        written = _snapshot(inputs)
+        _restore(inputs, before)
         want = eager()
         _compare("forward", got, want, inputs, written)
         return want, (_CheckedBackward(self.pair, list(inputs), eager_backward), saved)
@@ -191,15 +183,6 @@ def _restore(tensors: Sequence, snapshot: list) -> None:
                 t.copy_(s)
 
 
-def _run_from(inputs: Sequence, run: Callable):
-    """``run()`` (a replay), then the inputs as they were before it: its result and the inputs as it left them."""
-    before = _snapshot(inputs)
-    got, saved = run()
-    written = _snapshot(inputs)
-    _restore(inputs, before)
-    return got, saved, written
-
-
 def _differs(a, b, layout: bool = True) -> Optional[str]:
     """How ``a`` and ``b`` differ (the replay's, the ordinary code's), or None: the same bits. Tensors: dtype,
     shape, strides (``layout``: the two are different tensors; not between a tensor and its copy) and bytes;
@@ -214,43 +197,35 @@ def _differs(a, b, layout: bool = True) -> Optional[str]:
         return f"strides {a.stride()} against {b.stride()}"
     if a.numel() == 0:
         return None
-    bits_a = a.detach().contiguous().reshape(-1).view(torch.uint8).reshape(a.numel(), -1)
-    bits_b = b.detach().contiguous().reshape(-1).view(torch.uint8).reshape(b.numel(), -1)
+    bits_a, bits_b = (t.detach().contiguous().reshape(-1).view(torch.uint8).reshape(t.numel(), -1) for t in (a, b))
     diff = (bits_a != bits_b).any(dim=1)
     if not diff.any():
         return None
     n, first = int(diff.sum()), int(diff.nonzero()[0, 0])
-    flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
     return (f"{n} of {a.numel()} elements ({a.dtype} {tuple(a.shape)}) differ; the first, flat index {first}: "
-            f"{flat_a[first].item()!r} against {flat_b[first].item()!r}")
+            f"{a.detach().reshape(-1)[first].item()!r} against {b.detach().reshape(-1)[first].item()!r}")
 
 
-def _flat(v, path: str, found: list) -> None:
+def _flat(v, path: str = "") -> list:
     """The leaves of ``v`` (tuples / lists, nested) with their paths (``"output 3"``, ``"output 1[0]"``)."""
     if type(v) in (list, tuple):
-        for i, a in enumerate(v):
-            _flat(a, f"{path}[{i}]" if path else f"output {i}", found)
-    else:
-        found.append((path or "output", v))
+        return [leaf for i, a in enumerate(v) for leaf in _flat(a, f"{path}[{i}]" if path else f"output {i}")]
+    return [(path or "output", v)]
 
 
 def _compare(what: str, got, want, tensors: Sequence, written: list) -> None:
     """Raise :class:`ReplayMismatch` for the first output of ``got`` (the replay's) whose bits differ from
     ``want``'s (the ordinary code's), else for the first of ``tensors`` (as the ordinary code left them) whose
     bits differ from ``written`` (as the replay left them)."""
-    leaves_got, leaves_want = [], []
-    _flat(got, "", leaves_got)
-    _flat(want, "", leaves_want)
+    leaves_got, leaves_want = _flat(got), _flat(want)
     if len(leaves_got) != len(leaves_want):
         raise ReplayMismatch(f"FP8ENGINE_REPLAY=check: the replayed {what} returned {len(leaves_got)} outputs, the "
                              f"ordinary code {len(leaves_want)}")
     for (path, a), (_, b) in zip(leaves_got, leaves_want):
-        why = _differs(a, b)
-        if why is not None:
+        if (why := _differs(a, b)) is not None:
             raise ReplayMismatch(f"FP8ENGINE_REPLAY=check: the replayed {what}'s {path} differs from the ordinary "
                                  f"code's: {why}")
     for i, (t, w) in enumerate(zip(tensors, written)):
-        why = None if w is None else _differs(w, t, layout=False)
-        if why is not None:
+        if w is not None and (why := _differs(w, t, layout=False)) is not None:
             raise ReplayMismatch(f"FP8ENGINE_REPLAY=check: input {i} of the replayed {what}, which the step writes, "
                                  f"differs from the ordinary code's after it: {why}")
