@@ -59,14 +59,12 @@ _FP8_CONTEXT: contextvars.ContextVar[Optional[FP8Context]] = contextvars.Context
 
 #: The active context again, for ``torch.compile``: Dynamo cannot read a ``ContextVar`` (graph break) but reads and
 #: guards an attribute of a ``threading.local``, so a compiled module sees the region's context and re-traces when
-#: the recipe (or FP8 on/off) changes. Attribute ``ctx``, set and restored by :func:`autocast` /
-#: :func:`recompute_context` together with the ``ContextVar``, which stays the source of truth in eager code (per
-#: thread, as the mirror; within one thread a context entered in another asyncio task is not mirrored, so do not
+#: the recipe (or FP8 on/off) changes. Attribute ``ctx``, set and restored with the ``ContextVar`` (the source of
+#: truth in eager code; a context entered in another asyncio task of the same thread is not mirrored, so do not
 #: compile inside tasks that interleave FP8 regions). A plain ``threading.local`` with no class-level default:
-#: Dynamo special-cases exactly that type and looks the attribute up in the thread's own storage (a subclass with a
-#: class attribute ``ctx = None`` is resolved through the class by some Dynamo versions).
+#: Dynamo special-cases exactly that type (a subclass's class attribute is resolved through the class by some
+#: Dynamo versions).
 _COMPILE_MIRROR = threading.local()
-
 
 
 @contextlib.contextmanager

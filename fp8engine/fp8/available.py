@@ -21,23 +21,18 @@ def _cpu_scaled_mm_works() -> bool:
 
 
 def is_fp8_available(return_reason: bool = False, *, device=None) -> Union[bool, tuple[bool, str]]:
-    """Whether FP8 GEMMs run on ``device`` (default: the current CUDA device if any, else the CPU).
-
-    TransformerEngine 2.x's signature, so ``if is_fp8_available():`` tests availability (a bare call returns a
-    bool, never a tuple, which would always be truthy).
-
-    Rules (TransformerEngine's): compute capability >= 9.0 (Hopper) -> True; 8.9 (Ada) -> True only with
-    CUDA >= 12.1; below 8.9 -> False. CPU -> True when ``torch._scaled_mm`` runs there (FP8 emulated).
+    """Whether FP8 GEMMs run on ``device`` (default: the current CUDA device if any, else the CPU), with
+    TransformerEngine 2.x's signature and rules: compute capability >= 9.0 (Hopper) -> True; 8.9 (Ada) -> True only
+    with CUDA >= 12.1; below 8.9 -> False. CPU -> True when ``torch._scaled_mm`` runs there (FP8 emulated).
 
     Args:
         return_reason: False: return the bool alone. True: return ``(available, reason)``.
         device: keyword only; a ``torch.device`` or a string such as ``"cuda:1"``.
     Returns:
         ``available``, or ``(available, reason)`` with ``return_reason``; ``reason`` says why not, or how FP8 runs
-        (TransformerEngine gives ``""`` when available; here it names the device's capability or CPU emulation).
+        (TransformerEngine gives ``""`` when available).
     Raises:
-        TypeError: ``return_reason`` is not a bool: e.g. a device passed positionally (it was the first argument
-            before this signature followed TransformerEngine's); pass ``device=`` instead.
+        TypeError: ``return_reason`` is not a bool (e.g. a device passed positionally); pass ``device=`` instead.
     """
     if not isinstance(return_reason, bool):
         raise TypeError(f"is_fp8_available(return_reason: bool = False, *, device=None): got return_reason="

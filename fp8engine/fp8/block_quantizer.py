@@ -1,30 +1,19 @@
 """``BlockQuantizer``: how one FP8 tensor role of a module is cast under the ``Float8BlockScaling`` recipe.
 
-The per-tensor :class:`~fp8engine.fp8.quantizer.Quantizer` has a counterpart here so that the modules keep one
-set-up path (``FP8Module.fp8_begin()`` -> :func:`~fp8engine.fp8.quantizer.get_quantizers` -> one
-:class:`~fp8engine.fp8.quantizer.LinearQuantizers` per GEMM, built once per scaling state and recipe and cached):
-under block scaling its three entries are ``BlockQuantizer`` objects.
+The block-scaled counterpart of :class:`~fp8engine.fp8.quantizer.Quantizer`, with its interface, so the modules keep
+one set-up path (:func:`~fp8engine.fp8.quantizer.get_quantizers` -> one ``LinearQuantizers`` per GEMM, cached).
 
-Roles and blocks (DeepSeek-V3, arXiv:2412.19437 §3.3; TransformerEngine's ``Float8BlockQuantizer``):
-  * ``input`` and ``grad_output`` (activations, gradients): 1 x 128 tiles along the last dim, ``scale_inv``
-    ``[M, K/128]``; the transposed operand for wgrad is RE-TILED (1 x 128 tiles along the token dim, new scales
-    from the high-precision tensor), written by the same kernel pass;
-  * ``weight``: 128 x 128 blocks, ``scale_inv`` ``[N/128, K/128]``; its transpose (dgrad) is exact.
-Scales are computed just in time from each block's own amax (``scale = fp8_max / amax``, power of two when
-``power_2_scale``; rule and layouts in :mod:`fp8engine.kernels.block_cast`). Nothing is recorded into the module's
-amax history and the scaling state is never updated: the ``ScalingState`` buffers are untouched under this recipe.
+Roles and blocks (DeepSeek-V3, arXiv:2412.19437 §3.3; TransformerEngine's ``Float8BlockQuantizer``): ``input`` and
+``grad_output`` 1 x 128 tiles, ``scale_inv [M, K/128]``, the wgrad operand re-tiled along the token dim by the same
+kernel pass; ``weight`` 128 x 128 blocks, ``scale_inv [N/128, K/128]``, transposed exactly. Scales come just in time
+from each block's own amax (rule and layouts: :mod:`fp8engine.kernels.block_cast`, :mod:`fp8engine.fp8.block_tensor`);
+nothing is recorded and the ``ScalingState`` buffers are untouched under this recipe.
 
-The interface is the per-tensor quantizer's: :meth:`BlockQuantizer.quantize` and :meth:`~BlockQuantizer.quantize_dbias`
-return a :class:`~fp8engine.fp8.block_tensor.Float8BlockTensor` that carries its transposed operand and its real row
-count (the token rows are zero-padded to a multiple of 128 for the re-tiled transpose) and knows its GEMMs, so the ops
-of :mod:`fp8engine.ops` run it without asking which recipe they serve. Where an op fuses a cast into another kernel
-(the norm, the activation and its gradient, the QKV gradient), it asks the quantizer for that fused cast
-(``cast_norm``, ``cast_act``, ``cast_act_grad``, ``cast_qkv_grad``: the block kernels of
-:mod:`fp8engine.kernels.block_norm`, ``.block_activation`` and ``.qkv_grad``); the per-tensor ``Quantizer`` has
-None there and the ops run their own fused kernels with its scale.
-
-Backend: ``kernels``, chosen by whoever builds the quantizers (:func:`fp8engine.fp8.quantizer.get_quantizers`, once
-per call), runs the Triton kernels or the plain-PyTorch references; both write the same FP8 bits and scales.
+Where an op fuses a cast into another kernel it asks the quantizer for that fused cast (``cast_norm``, ``cast_act``,
+``cast_act_grad``, ``cast_qkv_grad``: the block kernels of :mod:`fp8engine.kernels.block_norm`,
+``.block_activation`` and ``.qkv_grad``); the per-tensor ``Quantizer`` has None there. ``kernels``, chosen by
+:func:`~fp8engine.fp8.quantizer.get_quantizers`, runs the Triton kernels or the plain-PyTorch references (the same
+FP8 bits and scales).
 """
 from __future__ import annotations
 
@@ -66,10 +55,9 @@ class BlockQuantizer:
         role: the role name (for messages).
         kernels: True runs the Triton kernels (the casts and the fused casts below), False (default) the
             plain-PyTorch references.
-        kind: ``"block"``. ``is_block``: True (the per-tensor ``Quantizer`` has False).
-        delayed, scale, amax, stats: False / None / None / None, so per-tensor code that inspects a quantizer (e.g.
-            the norm op's fused-cast test ``quantizer.delayed``) takes its unfused branch; ``record_amax`` is False
-            (nothing recorded; FP8 cast statistics are not counted for block casts).
+        kind, is_block: ``"block"``, True.
+        delayed, record_amax, scale, amax, stats: False, False, None, None, None, so per-tensor code that inspects a
+            quantizer takes its unfused branch (nothing recorded; FP8 cast statistics are not counted for block casts).
     Raises:
         ValueError (constructor): ``block`` is not one of the two block shapes.
     """
@@ -77,11 +65,8 @@ class BlockQuantizer:
     __slots__ = ("fp8_dtype", "block", "power_2_scale", "role", "kernels")
     kind = "block"
     is_block = True
-    delayed = False
-    scale = None
-    amax = None
-    stats = None
-    record_amax = False
+    delayed = record_amax = False
+    scale = amax = stats = None
 
     def __init__(self, fp8_dtype: torch.dtype, block: tuple, power_2_scale: bool = True, role: str = "",
                  kernels: bool = False):
@@ -107,20 +92,17 @@ class BlockQuantizer:
             raise TypeError(f"Float8BlockScaling: a {x.dtype} tensor; the block-scaled GEMMs take bfloat16 or "
                             "float32 (use torch.autocast(dtype=torch.bfloat16) or bf16 parameters)")
         x2 = x.detach().reshape(-1, x.shape[-1])
-        rows = x2.shape[0]
         out = quantize_block(_pad_rows(x2) if self.block == TILE_1x128 else x2, self.fp8_dtype, self.block,
                              power_2_scale=self.power_2_scale, transpose=transpose, use_kernel=self.kernels)
         q, q_t = out if transpose else (out, None)
-        q.rows, q._t = rows, q_t
+        q.rows, q._t = x2.shape[0], q_t
         return q
 
     def quantize_dbias(self, dy: torch.Tensor, *, transpose: bool = True,
                        dbias: bool = True) -> tuple[Float8BlockTensor, Optional[torch.Tensor]]:
         """Cast a gradient ``dy`` (``[*, N]``, viewed as ``[M, N]``; 1 x 128 tiles, rows padded as
-        :meth:`quantize`) and, with ``dbias``, return its bias gradient, the column sums, too: ``(q, dbias [N] in
-        dy.dtype or None)`` (``quantize_block(..., dbias=True)``: the kernels in one pass,
-        :func:`fp8engine.kernels.block_cast.cast_1x128_dbias`; the reference ``dy.sum(0)`` in fp32; the two differ
-        only in the fp32 summation order). An fp16 ``dy`` is cast from its fp32 copy (the GEMMs write no fp16).
+        :meth:`quantize`) and, with ``dbias``, its column sums in the same pass (``quantize_block(..., dbias=True)``):
+        ``(q, dbias [N] in dy.dtype or None)``. An fp16 ``dy`` is cast from its fp32 copy (the GEMMs write no fp16).
 
         Raises:
             ValueError: this quantizer has 128 x 128 blocks (weights have no bias gradient); as :meth:`quantize`.

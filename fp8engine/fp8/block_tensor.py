@@ -1,9 +1,8 @@
 """``Float8BlockTensor``: FP8 data with a TENSOR of block scales (the ``Float8BlockScaling`` recipe).
 
-The per-tensor :class:`~fp8engine.fp8.float8_tensor.Float8Tensor` carries one ``scale_inv``; here every 1 x 128
-tile or 128 x 128 block of the 2-D data ``[M, K]`` has its own, written by the kernel that wrote the bits
-(``fp8engine.kernels.block_cast``). Scale direction: ``data = saturate(x * scale)`` per block, ``scale_inv =
-1 / scale`` dequantizes: ``x ~= data * scale_inv[block]``.
+Every 1 x 128 tile or 128 x 128 block of the 2-D data ``[M, K]`` has its own scale, written by the kernel that wrote
+the bits (``fp8engine.kernels.block_cast``): ``data = saturate(x * scale)`` per block, ``scale_inv = 1 / scale``
+dequantizes: ``x ~= data * scale_inv[block]``.
 
 ``scale_inv`` layouts (fp32; M rows, K columns, K the contraction dim of the GEMM that consumes the tensor):
   * ``block == (1, 128)`` (activations, gradients): logical ``[M, ceil(K/128)]``, ``scale_inv[i, j]`` for row i,
@@ -13,21 +12,15 @@ tile or 128 x 128 block of the 2-D data ``[M, K]`` has its own, written by the k
     columns to a multiple of 4 and passes it transposed (``ScalingType.BlockWise128x128``).
 Dims that are not multiples of 128 give partial edge tiles (scale from the elements present); the GEMMs refuse them.
 
-Transposes: a 128 x 128-blocked tensor transposes exactly (bytes and block grid: :meth:`Float8BlockTensor.t`). A
-1 x 128-tiled one does not (its tiles would become 128 x 1): dgrad / wgrad re-tile from the high-precision tensor,
-``quantize_block(x, (1, 128), transpose=True)``, which computes new 1 x 128 scales along the other dim, as
-TransformerEngine's ``Float8BlockQuantizer`` does with ``columnwise_usage``. The cast that writes a tensor writes
-that copy with it (:meth:`~fp8engine.fp8.block_quantizer.BlockQuantizer.quantize` with ``transpose``), and the
-tensor carries it: :meth:`Float8BlockTensor.t_operand`, the operand the wgrad / dgrad GEMMs take.
+Transposes: a 128 x 128-blocked tensor transposes exactly (:meth:`Float8BlockTensor.t`). A 1 x 128-tiled one does
+not (its tiles would become 128 x 1): its transpose is re-tiled from the high-precision tensor with new 1 x 128
+scales along the other dim (``quantize_block(x, (1, 128), transpose=True)``, TransformerEngine's
+``columnwise_usage``), written by the same cast and carried by the tensor (:meth:`Float8BlockTensor.t_operand`).
 
-Token rows: the GEMMs' 1 x 128 tiles run along K, so the token count M need not be a multiple of 128, but the
-re-tiled transpose's tiles run along M: the casts zero-pad the rows to a multiple of 128 (a zero row adds nothing to
-any tile's amax or to the wgrad's sum) and the tensor remembers the real count (``rows``); the GEMMs drop the padded
-rows of their output (:mod:`fp8engine.ops.block_gemm`).
-
-The GEMMs of this type (``fprop``, ``dgrad``, ``wgrad``, ``wgrad_into``) are attached by
-:mod:`fp8engine.ops.block_gemm`, as :mod:`fp8engine.ops.linear` attaches the per-tensor ones to
-:class:`~fp8engine.fp8.float8_tensor.Float8Tensor`: the ops call them on whichever FP8 tensor a quantizer returned.
+Token rows: the re-tiled transpose's tiles run along M, so the casts zero-pad the rows to a multiple of 128 (a zero
+row adds nothing to any tile's amax or to the wgrad's sum) and the tensor remembers the real count (``rows``); the
+GEMMs (``fprop``, ``dgrad``, ``wgrad``, ``wgrad_into``, attached by :mod:`fp8engine.ops.block_gemm` as
+:mod:`fp8engine.ops.linear` attaches the per-tensor ones) drop the padded rows of their output.
 """
 from __future__ import annotations
 

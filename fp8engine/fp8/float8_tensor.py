@@ -2,15 +2,12 @@
 
 The scale-inverse belongs to the data: it is computed by the op that writes the FP8 bits, into a tensor of its
 own, so later changes to a recipe's ``scale`` buffer (even in place) never change how an existing
-``Float8Tensor`` dequantizes.
+``Float8Tensor`` dequantizes. A plain container (not a ``torch.Tensor`` subclass): no ``__torch_dispatch__``
+overhead in eager mode, a simple object for ``torch.compile``.
 
-``Float8Tensor`` is a plain container (not a ``torch.Tensor`` subclass): nothing dispatches through it, so it
-costs no Python ``__torch_dispatch__`` overhead in eager mode and is a simple object for ``torch.compile``.
-
-Its GEMMs (``fprop``, ``dgrad``, ``wgrad``, ``wgrad_into``: ``torch._scaled_mm`` / cuBLASLt) are attached by the op
-layer (:mod:`fp8engine.ops.linear`), which owns the GEMM code; the block-scaled
-:class:`~fp8engine.fp8.block_tensor.Float8BlockTensor` has the same methods (:mod:`fp8engine.ops.block_gemm`), so
-an op runs whichever FP8 tensor its quantizer returned.
+Its GEMMs (``fprop``, ``dgrad``, ``wgrad``, ``wgrad_into``) are attached by :mod:`fp8engine.ops.linear`; the
+block-scaled :class:`~fp8engine.fp8.block_tensor.Float8BlockTensor` has the same methods
+(:mod:`fp8engine.ops.block_gemm`), so an op runs whichever FP8 tensor its quantizer returned.
 """
 from __future__ import annotations
 
@@ -46,11 +43,8 @@ class Float8Tensor:
                  data_t: Optional[torch.Tensor] = None, kernels: bool = False):
         if data.dtype not in FP8_DTYPES.values():
             raise TypeError(f"Float8Tensor data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
-        self.data = data
-        self.scale_inv = scale_inv
-        self.dtype = dtype
-        self._data_t = data_t
-        self.kernels = kernels
+        self.data, self.scale_inv, self.dtype = data, scale_inv, dtype
+        self._data_t, self.kernels = data_t, kernels
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -119,12 +113,10 @@ _FORCE_KERNELS: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8engine
 def use_kernels(x: torch.Tensor) -> bool:
     """The one backend predicate of the package: True when an op on ``x`` runs the Triton kernels (and cuBLASLt
     where it applies), False when it runs the plain-PyTorch reference. True for a CUDA tensor whose device can run
-    the kernels (``kernels_available``, cached per device: the hot path pays a dict look-up), and for any tensor
-    inside :func:`kernels_forced`. Asked once where a call enters (:func:`~fp8engine.fp8.quantizer.get_quantizers`,
-    whose quantizers carry it as ``kernels`` to every op, FP8 tensor and scale update after them; else
-    :func:`~fp8engine.fp8.quantizer.call_kernels`; the fused LM loss; :func:`quantize`).
-    Under ``torch.compile`` the torch path is taken (Dynamo does not trace into the Triton launchers or the ctypes
-    cuBLASLt calls; Inductor generates the fused casts itself)."""
+    the kernels (``kernels_available``, cached per device), and for any tensor inside :func:`kernels_forced`; False
+    under ``torch.compile`` (Dynamo does not trace into the Triton launchers or the ctypes cuBLASLt calls). Asked
+    once where a call enters (:func:`~fp8engine.fp8.quantizer.get_quantizers`, whose quantizers carry it as
+    ``kernels``; else :func:`~fp8engine.fp8.quantizer.call_kernels`)."""
     if torch.compiler.is_compiling():
         return False
     if x.is_cuda:

@@ -2,14 +2,13 @@
 :mod:`fp8engine.parallel.fsdp_fp8`), used by the GEMMs as it is: torchao's ``Float8TrainingTensor`` as FSDP2's
 unsharded parameter, on fp8engine's scaling state.
 
-It is a ``torch.Tensor`` of the parameter's logical shape ``[N, K]`` and dtype (FSDP2's ``param_dtype``, e.g. bf16)
-that holds ``data`` (``[N, K]`` FP8, the gathered bits), ``scale_inv`` (``[1]`` float32: ``weight ~= data * scale_inv``)
-and ``amax`` (``[1]`` float32: ``max |w|`` of the whole high-precision weight, the MAX of the shards' amaxes
+A ``torch.Tensor`` of the parameter's logical shape ``[N, K]`` and dtype (FSDP2's ``param_dtype``, e.g. bf16)
+holding the gathered FP8 bits, their ``scale_inv`` and the whole weight's ``amax`` (the MAX of the shards' amaxes,
 gathered with the bytes). :meth:`FP8Module.fp8_weight <fp8engine.modules.base.FP8Module.fp8_weight>` turns it into a
-:class:`~fp8engine.fp8.float8_tensor.Float8Tensor` of the same bits (no dequantize, no re-cast) and, under delayed
-scaling, max-accumulates ``amax`` into the weight's amax-history slot, as its own cast would have. Every other op
-sees the dequantized weight (``data * scale_inv`` in fp32, rounded once into the logical dtype). Gradients are plain
-tensors of the logical dtype (FSDP2 reduce-scatters them as for any parameter).
+:class:`~fp8engine.fp8.float8_tensor.Float8Tensor` of the same bits (no re-cast) and, under delayed scaling,
+max-accumulates ``amax`` into the weight's amax-history slot, as its own cast would have. Every other op sees the
+dequantized weight. Gradients are plain tensors of the logical dtype (FSDP2 reduce-scatters them as for any
+parameter).
 """
 from __future__ import annotations
 

@@ -1,27 +1,22 @@
 """Delayed scaling under ``torch.compile``: where a compiled backward records the gradients' amaxes.
 
 Eager backward max-accumulates ``|dy|``'s amax into ``ScalingState.amax_history[row, 0]`` after the FP8 region
-exited and :func:`fp8engine.fp8.state.reduce_and_update` rolled the history (delayed scaling: the next update
-consumes it). A compiled forward/backward pair cannot write there: AOTAutograd functionalizes the history,
-which the forward also writes (the input's and weight's amaxes), so its backward would copy back the whole history
-as it was at forward time, undoing the update in between (and autograd's version check on the saved history
-rejects exactly that: "modified by an inplace operation").
+exited and :func:`fp8engine.fp8.state.reduce_and_update` rolled the history (the next update consumes it). A
+compiled forward/backward pair cannot write there: AOTAutograd functionalizes the history, which the forward also
+writes, so its backward would copy back the whole history as it was at forward time, undoing the update in between
+(autograd's version check on the saved history rejects exactly that: "modified by an inplace operation").
 
-So a compiled backward max-accumulates into ``ScalingState.grad_amax[row]`` instead, a buffer the forward never
-writes: the backward reads and writes the live buffer, and the update folds it into ``amax_history[:, 0]`` (the
-slot the eager backward would have written) before computing scales, then zeroes it. Zeroing keeps the buffer's
-autograd version counter (the compiled forward saved the buffer for its backward; the backward must see the zeroed
-buffer, exactly what eager mode's direct write sees), so the compiled run updates the state as eager mode does.
+So a compiled backward max-accumulates into ``ScalingState.grad_amax[row]``, a buffer the forward never writes; the
+update folds it into ``amax_history[:, 0]`` before computing scales, then zeroes it, keeping the buffer's autograd
+version counter (the compiled forward saved the buffer for its backward, which must see the zeroed buffer, as
+eager mode's direct write does).
 
-The forward's scales are read through :func:`frozen_scale`, an opaque op. The update at the region's exit rewrites
-``ScalingState.scale`` in place between the compiled forward and its backward, and AOTAutograd saves module buffers
-for the backward without a version check. Inductor's partitioner (``min_cut_rematerialization_partition``) treats
-parameters and buffers as free to keep and recomputes cheap pointwise chains from them in the backward: it
-re-casts the weight as ``(w * scale).to(fp8)`` for dgrad from the *updated* scale while the saved ``scale_inv`` is the
-forward's, scaling dgrad by ``new_scale / old_scale`` (found on CPU, torch 2.13: input gradients off by the weight's
-scale, 3.6e3x, at step 1 of a ``Linear``; the GPT's losses diverged from step 2). The partitioner never recomputes a
-custom op (not in its allowlist), so it keeps the op's output, a copy of the scales taken when the forward ran, and
-any cast it recomputes multiplies by that copy. ``aot_eager`` (no recomputation) did not show the bug.
+The forward's scales are read through :func:`frozen_scale`, an opaque op. The update rewrites ``ScalingState.scale``
+in place between the compiled forward and its backward, and AOTAutograd saves module buffers without a version
+check. Inductor's partitioner (``min_cut_rematerialization_partition``) recomputes cheap pointwise chains from
+buffers in the backward: it re-cast the weight for dgrad from the *updated* scale while the saved ``scale_inv`` was
+the forward's, scaling dgrad by ``new_scale / old_scale`` (input gradients off 3.6e3x at step 1 of a ``Linear``).
+It never recomputes a custom op, so it keeps the op's output, the scales as the forward read them.
 """
 from __future__ import annotations
 
@@ -41,12 +36,10 @@ def kernel_op(name: str, mutates_args: tuple = ()):
     implementation for every device (``CompositeExplicitAutograd``: opaque to Inductor, not decomposed). Returns the
     ``OpOverload``, with ``register_fake`` for the fake (meta) implementation.
 
-    Why not ``torch.library.custom_op``: its Python dispatch wrapper costs more per call than the work of launching a
-    kernel, paid at run time by every call a compiled graph makes of an opaque op: on this package's 2-core CPU
-    machine, for a cast-like signature (a mutated optional tensor, a dtype), ~100 us over the function itself
-    against ~13 us for a ``Library`` registration (``python tools/op_overhead.py@d6af129``). The ops take no gradient
-    (they run inside this package's ``autograd.Function`` classes or compiled backward graphs), and the mutation each
-    declares in its schema is what functionalization reads under ``torch.compile``, as for ``custom_op``."""
+    Not ``torch.library.custom_op``: its Python dispatch wrapper costs ~100 us per call of a cast-like op against
+    ~13 us for a ``Library`` registration (2-core CPU, ``python tools/op_overhead.py@d6af129``). The ops take no
+    gradient (they run inside ``autograd.Function`` classes or compiled backward graphs); the mutations declared in
+    the schema are what functionalization reads, as for ``custom_op``."""
     def define(fn):
         _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
         _LIB.impl(name, fn, "CompositeExplicitAutograd")

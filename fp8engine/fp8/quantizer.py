@@ -1,9 +1,8 @@
 """``Quantizer``: how one FP8 tensor role of a module (a GEMM's input, weight or output gradient) is cast.
 
 A module's :class:`~fp8engine.fp8.state.ScalingState` holds one row per role. :func:`get_quantizers` turns it into
-one :class:`LinearQuantizers` ``(input, weight, grad_output)`` per GEMM, built once per state, recipe and
-``record_amax`` flag and cached on the state: the per-call FP8 set-up is a dict look-up, and every fused op takes
-these objects instead of ``(state, row, plan)``.
+one :class:`LinearQuantizers` ``(input, weight, grad_output)`` per GEMM, cached on the state per recipe and
+``record_amax`` flag, so the per-call FP8 set-up is a dict look-up.
 
 Recipes (``kind``):
 - ``"delayed"`` (:class:`~fp8engine.recipe.DelayedScaling`): ``scale`` is the ``[1]`` view ``state.scale[row:row+1]``;
@@ -14,9 +13,8 @@ Recipes (``kind``):
 - ``"block"`` (:class:`~fp8engine.recipe.Float8BlockScaling`): :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer`
   objects instead (1 x 128 / 128 x 128 block scales, just in time; nothing recorded), built and cached the same way.
 
-Backend: :func:`get_quantizers` asks :func:`fp8engine.fp8.float8_tensor.use_kernels` once (the Triton kernels on
-CUDA, the plain-PyTorch reference on CPU and in ``torch.compile`` traces); the quantizers, the FP8 tensors they write
-and the state's scale update run that answer (``kernels``) without asking again. A call without quantizers asks once
+Backend: :func:`get_quantizers` asks :func:`fp8engine.fp8.float8_tensor.use_kernels` once; the quantizers, the FP8
+tensors they write and the state's scale update keep that answer (``kernels``). A call without quantizers asks once
 where it enters (:func:`call_kernels`). Both backends give the same FP8 bits for the same scale.
 """
 from __future__ import annotations
@@ -60,12 +58,13 @@ class Quantizer:
         amax: delayed: ``[1]`` float32 view of the state's ``amax_history[row, 0]``, or None when the amax is not
             recorded; current: None.
         role: the role name (for messages).
-        stats: a :class:`~fp8engine.fp8.stats.RoleStats` every cast counts underflow / saturation into (built
-            while the state records, :func:`~fp8engine.fp8.stats.fp8_stats_recording`), or None: then a cast pays
-            one attribute check and nothing else. Fused callers that write FP8 without :meth:`quantize` take their
-            unfused path while it is set.
+        state, row: delayed: the ScalingState and row the views come from (a ``torch.compile`` trace re-slices them).
+        stats: a :class:`~fp8engine.fp8.stats.RoleStats` every cast counts underflow / saturation into (while the
+            state records, :func:`~fp8engine.fp8.stats.fp8_stats_recording`), or None. Fused callers that write
+            FP8 without :meth:`quantize` take their unfused path while it is set.
         kernels: the backend of this quantizer's casts and of the ops it is handed: True the Triton kernels (and
-            cuBLASLt GEMMs for the FP8 tensors it writes), False the plain-PyTorch references (module docstring).
+            cuBLASLt GEMMs for the FP8 tensors it writes), False the plain-PyTorch references.
+        replay_key: what a replay key holds of ``scale`` and ``amax``, computed once by :mod:`fp8engine.ops.layer`.
     """
 
     __slots__ = ("fp8_dtype", "kind", "scale", "amax", "role", "delayed", "state", "row", "stats", "replay_key",
@@ -80,12 +79,7 @@ class Quantizer:
             raise ValueError("a delayed-scaling Quantizer needs its scale (a [1] float32 tensor)")
         self.fp8_dtype, self.kind, self.scale, self.amax, self.role = fp8_dtype, kind, scale, amax, role
         self.delayed = kind == "delayed"
-        # delayed scaling: the ScalingState and row the views come from (torch.compile re-slices them in the trace)
-        self.state, self.row = state, row
-        self.stats = stats
-        self.kernels = kernels
-        # what a replay key holds of ``scale`` and ``amax`` (fixed views for this object's life), computed once by
-        # fp8engine.ops.layer
+        self.state, self.row, self.stats, self.kernels = state, row, stats, kernels
         self.replay_key = None
 
     @property
@@ -94,14 +88,10 @@ class Quantizer:
 
     def _kernel_args(self, x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple:
         """``(scale, amax_out, scale_from_amax)`` for a cast kernel writing ``x``: delayed scaling passes its views;
-        current scaling passes ``max |x|`` (one read of ``x``, unless given) as the scale operand and lets the cast
-        kernel derive the scale from it on the device (no host synchronisation). The amax is torch's inf-norm
-        reduction (exact: a max of values of ``x``'s dtype; NaN gives NaN, which the kernel, like an inf amax,
-        turns into scale 1.0): one dispatched op where a zero-filled buffer plus a Triton amax launch cost about
-        twice the host time per cast (``python tools/layer_host_time.py --profile current``). It stays in x's
-        dtype (exact: a value of x) and the cast kernel converts it as it loads it: a ``.float()`` op per cast
-        saved (12-30 host us each in the replayed current-scaling step, H100, commit da4d931, per-line timing by
-        the probe kept as ``tools/replay_lines.py``)."""
+        current scaling passes ``max |x|`` (unless given) as the scale operand and the kernel derives the scale from
+        it on the device (no host synchronisation). The amax is torch's inf-norm (one dispatched op, less host time
+        than a zeroed buffer plus a Triton amax launch: ``python tools/layer_host_time.py --profile current``), kept
+        in x's dtype (exact; NaN stays NaN, which the kernel turns into scale 1.0 like an inf amax)."""
         if self.delayed:
             return self.scale, self.amax, False
         if amax is None:
@@ -126,26 +116,24 @@ class Quantizer:
             scale, amax_out, from_amax = self._kernel_args(x, amax)
             data, data_t, scale_inv = cast_to_fp8(x, scale, self.fp8_dtype, amax_out, transpose=transpose,
                                                   scale_from_amax=from_amax)
-            if self.stats is not None:
-                self._record(x, data, scale, from_amax)
+            if self.stats is not None:  # (from_amax: the kernel derived current_scale(amax) on the device)
+                self.stats.record(x, data, current_scale(scale, self.fp8_dtype) if from_amax else scale)
             return Float8Tensor(data, scale_inv, x.dtype, data_t, kernels=True)
         if not self.delayed:
             if _cast_ops.compiled_kernel_ops(x) and self.stats is None:
                 return self._quantize_op(x, transpose, amax)
             if amax is None:
                 amax = x.detach().abs().amax()
-            scale = current_scale(amax, self.fp8_dtype)
-            out = quantize_torch(x, self.fp8_dtype, scale, None, transpose)
-            if self.stats is not None:
-                self.stats.record(x, out.data, scale)
-            return out
-        if self.state is not None and torch.compiler.is_compiling():
+            scale, amax_out = current_scale(amax, self.fp8_dtype), None
+        elif self.state is not None and torch.compiler.is_compiling():
             if _cast_ops.compiled_kernel_ops(x):
                 return self._quantize_op(x, transpose, amax)
             return quantize_torch(x, self.fp8_dtype, *self.compiled_views(), transpose)
-        out = quantize_torch(x, self.fp8_dtype, self.scale, self.amax, transpose)
+        else:
+            scale, amax_out = self.scale, self.amax
+        out = quantize_torch(x, self.fp8_dtype, scale, amax_out, transpose)
         if self.stats is not None:
-            self.stats.record(x, out.data, self.scale)
+            self.stats.record(x, out.data, scale)
         return out
 
     def _op_args(self, x: torch.Tensor, amax: Optional[torch.Tensor]) -> tuple:
@@ -163,11 +151,6 @@ class Quantizer:
         scale, amax_out, from_amax = self._op_args(x, amax)
         data, data_t, scale_inv = _cast_ops.cast_fp8(x, scale, self.fp8_dtype, amax_out, transpose, from_amax)
         return Float8Tensor(data, scale_inv, x.dtype, data_t if transpose else None)
-
-    def _record(self, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, from_amax: bool) -> None:
-        """Count a kernel cast into ``stats``; ``scale`` is the kernel's scale operand (the amax when
-        ``from_amax``: the kernel derived ``current_scale(amax)`` from it on the device, the same formula)."""
-        self.stats.record(x, data, current_scale(scale, self.fp8_dtype) if from_amax else scale)
 
     def compiled_views(self) -> tuple:
         """``(scale, amax)`` inside a ``torch.compile`` trace, amax sliced from the live state buffers (AOTAutograd
@@ -197,7 +180,7 @@ class Quantizer:
             data, data_t, scale_inv, db = cast_transpose_dbias(dy, scale, self.fp8_dtype, amax_out,
                                                                scale_from_amax=from_amax)
             if self.stats is not None:
-                self._record(dy, data, scale, from_amax)
+                self.stats.record(dy, data, current_scale(scale, self.fp8_dtype) if from_amax else scale)
             return Float8Tensor(data, scale_inv, dy.dtype, data_t, kernels=True), db
         if (dbias and _cast_ops.compiled_kernel_ops(dy) and self.stats is None
                 and (not self.delayed or self.state is not None)):
@@ -245,19 +228,19 @@ def _build(state, recipe, record_amax: bool, kernels: bool, counters=None,
         from fp8engine.fp8.block_quantizer import block_quantizers_for
 
         qs = block_quantizers_for(recipe, len(state.roles), kernels)
-        return tuple(LinearQuantizers(*qs[i:i + 3]) for i in range(0, len(qs) - len(qs) % 3, 3))
-    fwd, bwd = fp8_dtype_of(recipe.fp8_format.fwd), fp8_dtype_of(recipe.fp8_format.bwd)
-    qs = []
-    for i, role in enumerate(state.roles):
-        grad = _is_grad(role)
-        dtype = bwd if grad else fwd
-        stats = counters.role(i, dtype) if counters is not None and (grad or record_amax) else None
-        if kind == "delayed":
-            amax = state.amax_history[i, 0:1] if (grad or record_amax) else None
-            scale = state.scale if grad or fwd_scale is None else fwd_scale
-            qs.append(Quantizer(dtype, kind, scale[i:i + 1], amax, role, state, i, stats, kernels))
-        else:
-            qs.append(Quantizer(dtype, kind, role=role, stats=stats, kernels=kernels))
+    else:
+        fwd, bwd = fp8_dtype_of(recipe.fp8_format.fwd), fp8_dtype_of(recipe.fp8_format.bwd)
+        qs = []
+        for i, role in enumerate(state.roles):
+            grad = _is_grad(role)
+            dtype = bwd if grad else fwd
+            stats = counters.role(i, dtype) if counters is not None and (grad or record_amax) else None
+            if kind == "delayed":
+                amax = state.amax_history[i, 0:1] if (grad or record_amax) else None
+                scale = state.scale if grad or fwd_scale is None else fwd_scale
+                qs.append(Quantizer(dtype, kind, scale[i:i + 1], amax, role, state, i, stats, kernels))
+            else:
+                qs.append(Quantizer(dtype, kind, role=role, stats=stats, kernels=kernels))
     return tuple(LinearQuantizers(*qs[i:i + 3]) for i in range(0, len(qs) - len(qs) % 3, 3))
 
 
@@ -267,18 +250,17 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
     (``input, weight, grad_output``). Delayed scaling also sizes the amax history to the recipe's length and
     registers ``state`` with ``ctx`` for the update at the region's exit.
 
-    Built once per (recipe, ``ctx.record_amax``) and cached on ``state``; rebuilt when the state's buffers were
-    replaced (``.to()``, a history resize), so the views always point at the live buffers. While the state
-    records FP8 stats (:func:`~fp8engine.fp8.stats.fp8_stats_recording`, which swaps in a second cache) the
-    quantizers count their casts; traced (``torch.compile``) ones never do. The backend (``kernels``) is chosen
-    here, once per call, by :func:`~fp8engine.fp8.float8_tensor.use_kernels` on the state's buffers (the module's
-    device), kept as ``state.kernels`` for its update. Raises TypeError for a recipe without quantizers
-    (:func:`recipe_kind`)."""
+    Cached on ``state`` per (recipe, ``ctx.record_amax``, backend) and rebuilt when its buffers were replaced
+    (``.to()``, a history resize), so the views always point at the live buffers; traced (``torch.compile``)
+    quantizers are built anew and never count FP8 stats. The backend is
+    :func:`~fp8engine.fp8.float8_tensor.use_kernels` of the state's buffers, kept as ``state.kernels`` for its
+    update. Raises TypeError for a recipe without quantizers (:func:`recipe_kind`)."""
     recipe = ctx.recipe
     delayed = isinstance(recipe, DelayedScaling)
     if torch.compiler.is_compiling():
         # traced: built in the graph's Python (no cache look-ups for Dynamo to guard on); the flag is written, not
         # read (no guard): this state's compiled backward records into grad_amax, folded before each update
+        fwd_scale = None
         if delayed:
             from fp8engine.fp8.library import frozen_scale
 
@@ -289,8 +271,8 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
                 state.resize_history(recipe.amax_history_len)
                 state.history_from_graph = True
             ctx.register(state)
-            return _build(state, recipe, ctx.record_amax, False, fwd_scale=frozen_scale(state.scale))
-        return _build(state, recipe, ctx.record_amax, False)
+            fwd_scale = frozen_scale(state.scale)
+        return _build(state, recipe, ctx.record_amax, False, fwd_scale=fwd_scale)
     cache, record, kernels = state._quantizers, ctx.record_amax, use_kernels(state.scale)
     if delayed:
         if state.amax_history.shape[1] != recipe.amax_history_len:

@@ -6,6 +6,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from fp8engine.fp8.scaling import update_amax_history, update_fp8_scale
 from fp8engine.recipe import DelayedScaling
 
 __all__ = ["ScalingState", "reduce_and_update"]
@@ -50,11 +51,9 @@ class ScalingState(nn.Module):
         self.history_from_graph = False
         self.kernels = False  #: its quantizers' backend (fp8.quantizer.get_quantizers), which its update runs too
         self._fp8_max_cache: dict = {}
-        #: (recipe, record_amax) -> (scale, amax_history, LinearQuantizers per GEMM); see fp8.quantizer
-        self._quantizers: dict = {}
-        #: FP8 health counters (fp8engine.fp8.stats.StatsCounters, device tensors; not buffers: not in state_dict),
-        #: whether quantizers built now count into them, and the quantizer cache of the other mode (swapped with
-        #: ``_quantizers`` on every switch, so switching rebuilds nothing); set by fp8engine.fp8.stats
+        self._quantizers: dict = {}  #: the quantizer cache of fp8.quantizer.get_quantizers
+        #: FP8 health counters (fp8.stats.StatsCounters; not buffers), whether quantizers built now count into them,
+        #: and the quantizer cache of the other mode (swapped with ``_quantizers``); set by fp8engine.fp8.stats
         self.stats_counters = None
         self.stats_recording = False
         self._other_quantizers: dict = {}
@@ -87,13 +86,10 @@ class ScalingState(nn.Module):
         self.amax_history = new
 
     def _apply(self, fn, recurse=True):
-        """What ``nn.Module.to`` / ``.cuda()`` / ``.half()`` / ``.bfloat16()`` / ``to_empty(device=)`` / ``.type()`` run
-        on every buffer, with the dtypes kept: the buffers follow ``fn``'s device, never its dtype. A model cast to
-        bf16 (``model.to(torch.bfloat16)``, TransformerEngine's getting-started guide) keeps float32 scales and
-        amax histories (``torch._scaled_mm`` takes float32 scales only) and ``update_step`` stays int64; their values
-        are moved, not converted (no bf16 round trip). A buffer whose device does not change stays the same tensor
-        object, so the quantizers cached on it (:func:`fp8engine.fp8.quantizer.get_quantizers`) stay valid; a moved
-        one is a new tensor, which the caches validate by identity and rebuild."""
+        """``nn.Module.to`` / ``.cuda()`` / ``.half()`` / ``to_empty(device=)`` / ... with the dtypes kept: the buffers
+        follow ``fn``'s device, never its dtype (``torch._scaled_mm`` takes float32 scales only; values are moved,
+        not converted). A buffer whose device does not change stays the same tensor object, so the quantizers cached
+        on it stay valid; a moved one is a new tensor, which the caches validate by identity and rebuild."""
         def keep_dtype(t: torch.Tensor) -> torch.Tensor:
             new = fn(t)
             return new if new.dtype == t.dtype else t.to(device=new.device)
@@ -116,18 +112,6 @@ class ScalingState(nn.Module):
 
     def extra_repr(self) -> str:
         return f"roles={self.roles}, amax_history_len={self.amax_history.shape[1]}"
-
-
-def _update_torch(states: Sequence[ScalingState], recipe: DelayedScaling) -> None:
-    from fp8engine.fp8.scaling import update_amax_history, update_fp8_scale
-
-    for st in states:
-        new_scale, _ = update_fp8_scale(st.amax_history, st.scale, st.fp8_max(recipe), margin=recipe.margin,
-                                        amax_compute_algo=recipe.amax_compute_algo)
-        do_update = (st.update_step % recipe.interval) == 0
-        st.scale.copy_(torch.where(do_update, new_scale, st.scale))
-        st.amax_history.copy_(update_amax_history(st.amax_history))
-        st.update_step.add_(1)
 
 
 #: Planned kernel updates (:class:`fp8engine.kernels.scaling.DelayedScalingUpdate`) by the states' buffers and the
@@ -159,25 +143,30 @@ def reduce_and_update(states: Sequence[ScalingState], recipe: DelayedScaling, am
         from fp8engine.fp8.amax import all_reduce_current_amax
 
         all_reduce_current_amax([st.amax_history for st in states], amax_group)
-    bufs = [(st.amax_history, st.scale, st.update_step) for st in states]
-    first = bufs[0][0]
     # The fused kernel takes one update flag for all states, so it serves interval == 1 (every update
     # recomputes scales); other intervals use the per-state torch path.
     if recipe.interval == 1 and not callable(recipe.amax_compute_algo) and all(st.kernels for st in states):
+        hists, scales, steps = ([st.amax_history for st in states], [st.scale for st in states],
+                                [st.update_step for st in states])
         # (the plan holds the tensors it was made for, so their ids are not reused while it is cached)
         key = (recipe.fp8_format, recipe.margin, recipe.amax_compute_algo,
-               tuple((id(h), id(sc), id(c), h.data_ptr()) for h, sc, c in bufs))
+               tuple((id(h), id(sc), id(c), h.data_ptr()) for h, sc, c in zip(hists, scales, steps)))
         update = _UPDATES.get(key)
-        if update is None and all(h.shape[1] == first.shape[1] for h, _, _ in bufs):
+        if update is None and all(h.shape[1] == hists[0].shape[1] for h in hists):
             from fp8engine.kernels.scaling import DelayedScalingUpdate
 
-            update = DelayedScalingUpdate([h for h, _, _ in bufs], [sc for _, sc, _ in bufs],
-                                          [st.fp8_max(recipe) for st in states], margin=recipe.margin,
-                                          algo=recipe.amax_compute_algo, update_steps=[c for _, _, c in bufs])
+            update = DelayedScalingUpdate(hists, scales, [st.fp8_max(recipe) for st in states], margin=recipe.margin,
+                                          algo=recipe.amax_compute_algo, update_steps=steps)
             if len(_UPDATES) >= _UPDATES_MAX:
                 _UPDATES.clear()
             _UPDATES[key] = update
         if update is not None:
             update()
             return
-    _update_torch(states, recipe)
+    for st in states:
+        new_scale, _ = update_fp8_scale(st.amax_history, st.scale, st.fp8_max(recipe), margin=recipe.margin,
+                                        amax_compute_algo=recipe.amax_compute_algo)
+        do_update = (st.update_step % recipe.interval) == 0
+        st.scale.copy_(torch.where(do_update, new_scale, st.scale))
+        st.amax_history.copy_(update_amax_history(st.amax_history))
+        st.update_step.add_(1)

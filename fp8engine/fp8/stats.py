@@ -10,17 +10,13 @@ Usage::
 
 Where the counting happens: every :class:`~fp8engine.fp8.quantizer.Quantizer` built while its
 :class:`~fp8engine.fp8.state.ScalingState` records carries a :class:`RoleStats` (``Quantizer.stats``); each cast it
-makes adds its counts into small device tensors of that state (``[n, 5]`` int64 counts, ``[n, 2]`` float32 ranges),
-with device ops only (no host synchronisation). They are read once, by :func:`fp8_stats`. When recording is off,
-``Quantizer.stats`` is None: a cast pays one attribute check and launches nothing more (``tests/fp8/test_stats.py``
-counts the ATen ops of a TransformerLayer's forward and backward). Each state keeps one quantizer cache per mode
-and :func:`fp8_stats_recording` swaps them, so switching rebuilds nothing after the first recording block.
+makes adds its counts into small device tensors of that state (:class:`StatsCounters`) with device ops only, read
+once by :func:`fp8_stats`. When recording is off, ``Quantizer.stats`` is None: a cast pays one attribute check.
 
-Fused paths that never materialise the high-precision tensor (on CUDA: the norm kernel writing FP8 only, the
-activation kernels writing FP8, cuBLASLt's GELU epilogue, the fused QKV-gradient cast) take their unfused
-equivalent while recording: the high-precision tensor is written, then cast by ``Quantizer.quantize``. The FP8
-bits of such a cast can differ from the fused kernel's in the last place (the fused kernel casts the fp32 value,
-the unfused path its rounding to the activation dtype), on recording steps only.
+Fused paths that never materialise the high-precision tensor (the norm and activation kernels writing FP8 only,
+cuBLASLt's GELU epilogue, the fused QKV-gradient cast) take their unfused equivalent while recording, whose FP8 bits
+can differ in the last place (the fused kernel casts the fp32 value, the unfused path its rounding to the
+activation dtype), on recording steps only.
 
 Definitions, for the casts counted since the last :func:`fp8_stats_recording` entry (``x`` the high-precision
 tensor, ``scale`` the scale the cast used, ``q`` the FP8 result; one row per role):
@@ -37,9 +33,8 @@ tensor, ``scale`` the scale the cast used, ``q`` the FP8 result; one row per rol
   a magnitude above ``fp8_max``, i.e. ``|x * scale| > 464`` for E4M3 (448 plus half its top spacing 32; a tie
   rounds to 448, whose mantissa is even) and ``>= 61440`` for E5M2 (57344 + 8192 / 2; a tie rounds up to the
   even 65536). TransformerEngine's ``fp8_delayed_scaling_overflows%`` counts ``|x| > fp8_max * scale_inv``
-  instead; that also counts values the clamp moves by less than the format's own rounding, and under current
-  scaling it counts the amax element whenever ``fp8_max / amax`` rounds up (``amax * scale`` is one float32
-  step above ``fp8_max`` for about one amax in five), a saturation that never changes an FP8 value.
+  instead, which also counts values the clamp moves by less than the format's own rounding (under current
+  scaling, the amax element whenever ``fp8_max / amax`` rounds up: about one amax in five).
 
 Scope: one process's casts (rank 0's in the training command; a tensor-parallel rank sees its own shards). Not
 counted: casts in a ``torch.compile``-d region, FP8 weight copies reused from the weight cache
@@ -57,6 +52,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 from torch import nn
 
+from fp8engine.fp8.dtypes import FP8_DTYPES
 from fp8engine.fp8.state import ScalingState
 
 __all__ = ["fp8_stats", "fp8_stats_recording", "format_fp8_stats", "FP8StatsRow", "RoleStats", "StatsCounters",
@@ -66,7 +62,7 @@ __all__ = ["fp8_stats", "fp8_stats_recording", "format_fp8_stats", "FP8StatsRow"
 #: float32 above 464 (float32 spacing at 464 is 2**-15); E5M2: 61440 itself.
 SATURATION_BOUND = {torch.float8_e4m3fn: 464.0 + 2.0 ** -15, torch.float8_e5m2: 61440.0}
 
-_FORMAT_NAME = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_FORMAT_NAME = {dt: name for name, dt in FP8_DTYPES.items()}
 
 # columns of StatsCounters.counts / .ranges
 _NONZERO, _UNDERFLOW, _SATURATED, _NUMEL, _CASTS = range(5)
@@ -157,7 +153,7 @@ def _states(model: nn.Module) -> Iterator[tuple[str, ScalingState]]:
 
 def _set_recording(state: ScalingState, on: bool) -> None:
     """Switch ``state``'s quantizer cache to the set with (or without) RoleStats: each mode keeps its own cache,
-    so after the first recording block a switch rebuilds nothing (no work added to the next forward)."""
+    so after the first recording block a switch rebuilds nothing."""
     if state.stats_recording != on:
         state.stats_recording = on
         state._quantizers, state._other_quantizers = state._other_quantizers, state._quantizers
@@ -212,25 +208,22 @@ def fp8_stats(model: nn.Module) -> list[FP8StatsRow]:
     found = list(_states(model))
     if not found:
         raise ValueError(f"fp8_stats: {type(model).__name__} has no FP8 modules (no ScalingState)")
+    counters = [st.stats_counters or StatsCounters(len(st.roles), st.scale.device) for _, st in found]
     packed = []
-    for _, st in found:
-        c = st.stats_counters
-        if c is None:
-            c = StatsCounters(len(st.roles), st.scale.device)
+    for (_, st), c in zip(found, counters):
         dev = st.scale.device  # the counters stay where they were made; the state may have moved since
         packed.append(torch.cat([c.counts.to(dev, torch.float64), c.ranges.to(dev, torch.float64),
                                  st.scale.detach().double()[:, None]], 1))
     table = torch.cat([p.to(packed[0].device) for p in packed]).cpu().tolist()  # the only host read
     rows, i = [], 0
-    for name, st in found:
-        formats = st.stats_counters.formats if st.stats_counters is not None else [None] * len(st.roles)
+    for (name, st), c in zip(found, counters):
         for r, role in enumerate(st.roles):
             nonzero, under, sat, numel, casts, amax, last_scale, buffer_scale = table[i]
             i += 1
             if casts == 0:
                 rows.append(FP8StatsRow(name, role, None, None, buffer_scale, None, None))
                 continue
-            rows.append(FP8StatsRow(name, role, _FORMAT_NAME.get(formats[r]), amax, last_scale,
+            rows.append(FP8StatsRow(name, role, _FORMAT_NAME.get(c.formats[r]), amax, last_scale,
                                     100.0 * under / nonzero if nonzero else 0.0, 100.0 * sat / numel))
     return rows
 
