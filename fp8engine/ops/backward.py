@@ -1,9 +1,6 @@
-"""What a hand-written FP8 backward must know about the autograd call running it.
+"""What a hand-written FP8 backward must know about the autograd call running it: :func:`backward_keeps_graph`.
 
-The FP8 ops keep their FP8 operands (transposed copies, shards, rotary tables) on ``ctx`` outside autograd's saved
-tensors and drop them once used, as autograd frees its saved tensors. :func:`backward_keeps_graph` tells them when
-not to: under ``retain_graph=True`` a second backward (or a second ``torch.autograd.grad``) needs them again. It
-reads the running graph task's flag (``torch._C._autograd._get_current_graph_task_keep_graph``: private, the call
+It reads the running graph task's flag (``torch._C._autograd._get_current_graph_task_keep_graph``: private, the call
 PyTorch's AOTAutograd makes for the same decision; present in torch 2.11 and 2.13).
 """
 from __future__ import annotations
@@ -17,9 +14,10 @@ _keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
 
 def backward_keeps_graph(op: str) -> bool:
     """Whether the autograd backward running now keeps its graph (``retain_graph=True``), for a hand-written
-    backward that keeps its state outside autograd's saved tensors: with it, the backward leaves that state in place
-    for another backward; without it, it may drop each piece once used (as autograd frees its saved tensors; a
-    second backward then meets autograd's own error on ``ctx.saved_tensors``). Call it first in the backward.
+    backward that keeps its state (FP8 transposes, shards, rotary tables) on ``ctx`` outside autograd's saved
+    tensors: with it, the backward leaves that state in place for another backward; without it, it may drop each
+    piece once used (as autograd frees its saved tensors; a second backward then meets autograd's own error on
+    ``ctx.saved_tensors``). Call it first in the backward.
 
     Raises:
         RuntimeError: the backward runs with ``create_graph=True`` (a double backward: gradient penalty,

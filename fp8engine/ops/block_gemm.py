@@ -2,29 +2,22 @@
 
 Two paths with the same math, ``out[m, n] = sum_k (a.data[m, k] * a_scale_inv[m, k // 128]) *
 (b.data[n, k] * b_scale_inv[block of (n, k)])`` rounded once to ``out_dtype``:
-  * CUDA sm_90 with a torch that has ``torch.nn.functional.scaled_mm`` (torch >= 2.10), both operands E4M3:
-    cuBLASLt's block-wise
+  * CUDA sm_90 with ``torch.nn.functional.scaled_mm`` (torch >= 2.10), both operands E4M3: cuBLASLt's block-wise
     scaled GEMM, ``scaled_mm(a, b^T, scale_a, ScalingType.BlockWise1x128, scale_b, BlockWise1x128 or
-    BlockWise128x128, output_dtype=...)``. The GEMM accumulates in fp32 and applies each 128-wide K block's scales
-    to the partial sums (DeepSeek-V3's promotion), so it differs from the emulation by fp32 summation rounding.
-    ``torch._scaled_mm`` refuses these scale layouts; the layouts ``scaled_mm`` takes (torch 2.13's OpInfo samples
-    in ``torch/testing/_internal/common_methods_invocations.py``, ``sample_inputs_scaled_mm_v2``): 1 x 128 scales of
-    an ``[M, K]`` operand as ``[M, K/128]`` with strides ``(1, M)`` (our stored layout); 128 x 128 scales of an
-    ``[N, K]`` operand as the ``[N/128, round_up(K/128, 4)]`` row-major buffer passed transposed (torch's
-    ``_scaled_block1x128_block128x128`` checks: shape ``[round_up(K/128, 4), N/128]``, strides ``(1,
-    round_up(K/128, 4))``). torch dispatches these recipes only when both operands are ``float8_e4m3fn``
-    (``check_deepseek_recipe`` in ``aten/src/ATen/cuda/CUDAScaledBlas.cpp``), so E5M2 gradients (the HYBRID
-    format) take the emulation below, also on the GPU (correct, much slower).
-  * elsewhere (CPU; other GPUs; E5M2 operands): an emulation that dequantizes both operands per block in float64
-    (exact) and multiplies in float64 (products of FP8 values with power-of-two scales are exact; the float64 sum
-    is exact to ~2**-50 relative), then rounds once to ``out_dtype``.
+    BlockWise128x128, output_dtype=...)``. It accumulates in fp32 and applies each 128-wide K block's scales to the
+    partial sums (DeepSeek-V3's promotion), so it differs from the emulation by fp32 summation rounding. The scale
+    layouts it takes (``torch._scaled_mm`` refuses them; torch 2.13's ``sample_inputs_scaled_mm_v2`` in
+    ``common_methods_invocations.py``): 1 x 128 scales of an ``[M, K]`` operand as ``[M, K/128]`` with strides
+    ``(1, M)`` (our stored layout); 128 x 128 scales of an ``[N, K]`` operand as the ``[N/128, round_up(K/128, 4)]``
+    row-major buffer passed transposed (``_scaled_block1x128_block128x128``). torch dispatches these recipes only
+    for ``float8_e4m3fn`` operands (``check_deepseek_recipe``, ``aten/src/ATen/cuda/CUDAScaledBlas.cpp``), so E5M2
+    gradients (the HYBRID format) take the emulation, also on the GPU (correct, much slower).
+  * elsewhere: an emulation that dequantizes both operands per block in float64 (exact) and multiplies in float64
+    (products of FP8 values with power-of-two scales are exact; the sum to ~2**-50 relative), rounded once.
 
-Bias: ``block_gemm(..., bias=b)`` adds ``b [N]`` to a bf16 output inside the GEMM (cuBLASLt's epilogue, ``scaled_mm(...,
-bias=)``: the fp32 sum plus the bias rounded once; the emulation adds it in float64 before its one rounding), instead
-of a separate broadcast add over ``[M, N]`` (a timing probe on the H100, 2026-11-26, not kept in the repository: in
-the performance guide's layer four such adds took 0.82 ms of a 13.5 ms block-scaled step; fc1's GEMM
-``8192x4096x16384`` 1.19 ms GEMM + add against 0.89 ms with the epilogue).
-An fp32 output gets the bias added after the GEMM (``out + bias`` in fp32), on both paths.
+Bias: ``block_gemm(..., bias=b)`` adds ``b [N]`` to a bf16 output inside the GEMM (cuBLASLt's epilogue: the fp32 sum
+plus the bias rounded once; the emulation adds it in float64 before its rounding) instead of a separate broadcast
+add over ``[M, N]``. An fp32 output gets the bias added after the GEMM (``out + bias`` in fp32), on both paths.
 
 Shapes: ``a`` ``[M, K]`` with 1 x 128 tiles; ``b`` ``[N, K]`` with 1 x 128 tiles (wgrad: ``dy^T`` x ``x^T`` re-tiled
 along the token dim) or 128 x 128 blocks (fprop / dgrad: the weight or its transpose). K and, for 128 x 128 ``b``,
@@ -95,8 +88,7 @@ def _check(a: Float8BlockTensor, b: Float8BlockTensor, out_dtype: torch.dtype) -
 def block_gemm_emulated(a: Float8BlockTensor, b: Float8BlockTensor,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``a @ b.T`` ``[M, N]`` by per-block dequantization in float64 and a float64 matmul, rounded to ``out_dtype``."""
-    _check(a, b, out_dtype)
-    return (a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()).to(out_dtype)
+    return block_gemm(a, b, out_dtype, use_hw=False)
 
 
 def _scaled_mm(a: Float8BlockTensor, b: Float8BlockTensor, out_dtype: torch.dtype,
@@ -174,15 +166,11 @@ def check_block_dims(gemm_dims, what: str) -> None:
                     "or use DelayedScaling / CurrentScaling (multiples of 16) for this model")
 
 
-def _fprop(x: Float8BlockTensor, w: Float8BlockTensor, out_dtype: torch.dtype,
+def _fprop(a: Float8BlockTensor, b: Float8BlockTensor, out_dtype: torch.dtype,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    y = block_gemm(x, w, out_dtype, bias=bias)
-    return y if y.shape[0] == x.rows else y[:x.rows]
-
-
-def _dgrad(dy: Float8BlockTensor, w_t: Float8BlockTensor, out_dtype: torch.dtype) -> torch.Tensor:
-    dx = block_gemm(dy, w_t, out_dtype)
-    return dx if dx.shape[0] == dy.rows else dx[:dy.rows]
+    """fprop ``x.fprop(w)`` and dgrad ``dy.dgrad(w_t)``: :func:`block_gemm` without ``a``'s padded rows."""
+    out = block_gemm(a, b, out_dtype, bias=bias)
+    return out if out.shape[0] == a.rows else out[:a.rows]
 
 
 def _wgrad(dy: Float8BlockTensor, x_t: Float8BlockTensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -194,5 +182,5 @@ def _wgrad_into(dy: Float8BlockTensor, x_t: Float8BlockTensor, out: torch.Tensor
 
 
 # the block-scaled GEMMs of a linear layer (module docstring)
-Float8BlockTensor.fprop, Float8BlockTensor.dgrad = _fprop, _dgrad
+Float8BlockTensor.fprop = Float8BlockTensor.dgrad = _fprop
 Float8BlockTensor.wgrad, Float8BlockTensor.wgrad_into = _wgrad, _wgrad_into

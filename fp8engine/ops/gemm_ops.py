@@ -4,22 +4,17 @@ Eager mode calls cuBLASLt through ``ctypes`` (:mod:`fp8engine.kernels.cublaslt`)
 ``torch._scaled_mm`` cannot express: fc1 fprop with the ``GELU_AUX_BIAS`` epilogue writing fc2's FP8 input
 (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`) and the wgrad accumulating into fp32 ``main_grad`` (beta = 1,
 :func:`fp8engine.ops.gemm.fp8_mm_accumulate`). Dynamo cannot trace a ctypes call, so without these ops a compiled
-step ran the unfused GEMM + a separate GELU + cast + amax pass (docs/benchmarks.md, the H100 kernel profile of the
-compiled layer; not re-timed with these ops yet) and the wgrad into a fresh fp32 tensor plus ``main_grad.add_``. The ops are opaque to Inductor: the compiled graph calls what
-eager mode calls.
+step would run the unfused GEMM + a separate GELU + cast + amax pass, and the wgrad into a fresh fp32 tensor plus
+``main_grad.add_``. The ops are opaque to Inductor: the compiled graph calls what eager mode calls.
 
 - :func:`gemm_bias_gelu_fp8`: ``(h, gelu(h) in FP8, scale_inv)``, the amax max-accumulated into a declared-mutated
   ``amax`` (the delayed-scaling history slot :meth:`~fp8engine.fp8.quantizer.Quantizer.compiled_views` gives, as
   :func:`~fp8engine.ops.kernel_ops.act_fwd_fp8`).
 - :func:`mm_accumulate_fp8`: ``out += a @ b.T`` in place (``mutates_args=("out",)``).
 
-CUDA: eager mode's code. Where cuBLASLt cannot run the epilogue (:func:`~fp8engine.ops.gemm.fp8_gemm_bias_gelu`
-returns None: no cuBLASLt, fp32 ``h``, misaligned operands, no such kernel on this GPU) the op runs what eager mode
-then runs, ``_scaled_mm`` with the bias and the Triton GELU kernel writing FP8 (bits may differ from the epilogue's
-by one FP8 step on ~2 % of the bytes, as documented there); the accumulate GEMM falls back to ``_scaled_mm`` into
-fp32 plus ``out.add_`` as eager mode does. Any other device: the plain-PyTorch references, the compositions eager
-CPU mode runs, with the same bits (:func:`fp8_mm` then ``F.gelu`` (tanh) then the torch FP8 cast; ``out.add_`` of
-:func:`fp8_mm` in fp32).
+CUDA: eager mode's code, including its fallbacks where cuBLASLt cannot run (:func:`~fp8engine.ops.gemm.fp8_mm` with
+the bias, then the Triton GELU kernel writing FP8, bits as documented there; ``_scaled_mm`` into fp32 plus
+``out.add_``). Any other device: the plain-PyTorch compositions eager CPU mode runs, with the same bits.
 """
 from __future__ import annotations
 
@@ -29,6 +24,7 @@ import torch.nn.functional as F
 from fp8engine.fp8.float8_tensor import Float8Tensor, quantize_torch
 from fp8engine.fp8.cast_ops import _scale_inv_like
 from fp8engine.fp8.library import kernel_op
+from fp8engine.ops import gemm
 
 __all__ = ["gemm_bias_gelu_fp8", "mm_accumulate_fp8", "compiled_gemm_ops"]
 
@@ -59,7 +55,6 @@ def gemm_bias_gelu_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
     if not a.is_cuda:
         return _gemm_bias_gelu_reference(a, a_scale_inv, b, b_scale_inv, bias, out_dtype, scale, fp8_dtype, amax)
     from fp8engine.kernels.activation import gelu_fwd
-    from fp8engine.ops import gemm
 
     fused = gemm.fp8_gemm_bias_gelu(Float8Tensor(a, a_scale_inv, out_dtype, kernels=True),
                                     Float8Tensor(b, b_scale_inv, out_dtype, kernels=True),
@@ -77,9 +72,7 @@ def gemm_bias_gelu_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
 def _gemm_bias_gelu_reference(a, a_scale_inv, b, b_scale_inv, bias, out_dtype, scale, fp8_dtype, amax):
     """:func:`gemm_bias_gelu_fp8` in plain PyTorch (eager CPU mode's composition, same bits): :func:`fp8_mm` with
     the bias, ``F.gelu`` (tanh) of the rounded ``h``, the torch FP8 cast recording the amax."""
-    from fp8engine.ops.gemm import fp8_mm
-
-    h = fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=bias.to(out_dtype), use_fast_accum=True)
+    h = gemm.fp8_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=bias.to(out_dtype), use_fast_accum=True)
     y = quantize_torch(F.gelu(h, approximate="tanh"), fp8_dtype, scale.reshape(1).float(), amax)
     return h, y.data, y.scale_inv
 
@@ -97,8 +90,6 @@ def mm_accumulate_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     :func:`~fp8engine.ops.gemm.fp8_mm_accumulate` (cuBLASLt with beta = 1, or its ``_scaled_mm`` + ``add_``
     fallback), elsewhere ``out.add_`` of :func:`~fp8engine.ops.gemm.fp8_mm` in fp32. Operands, ``pad_inner`` and
     errors as :func:`~fp8engine.ops.gemm.fp8_mm_accumulate`."""
-    from fp8engine.ops import gemm
-
     if out.is_cuda:
         gemm.fp8_mm_accumulate(a, a_scale_inv, b, b_scale_inv, out, pad_inner=pad_inner, kernels=True)
     else:
@@ -107,9 +98,7 @@ def mm_accumulate_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
 
 def _mm_accumulate_reference(a, a_scale_inv, b, b_scale_inv, out, pad_inner):
     """:func:`mm_accumulate_fp8` in plain PyTorch: ``out.add_`` of :func:`fp8_mm` in fp32 (eager CPU mode's)."""
-    from fp8engine.ops.gemm import fp8_mm
-
-    out.add_(fp8_mm(a, a_scale_inv, b, b_scale_inv, torch.float32, pad_inner=pad_inner))
+    out.add_(gemm.fp8_mm(a, a_scale_inv, b, b_scale_inv, torch.float32, pad_inner=pad_inner))
 
 
 @mm_accumulate_fp8.register_fake

@@ -1,42 +1,29 @@
 """The fused Triton kernels as ``torch.library`` custom ops, for code under ``torch.compile``.
 
 Eager code calls the kernels' Python launchers directly (:func:`fp8engine.fp8.float8_tensor.use_kernels`). Dynamo
-cannot trace those launchers, so under ``torch.compile`` the ops take their plain-PyTorch path and Inductor
-generates the kernels. For the activations that costs time: on the H100 the compiled FP8 layer spent 3.6 ms per step
-in Inductor's cast, GELU and amax kernels where eager mode spends 1.5 ms in ours
-(``python tools/compile_kernel_profile.py``; that tool's figure, not re-run since these ops). The ops below are
-opaque to Inductor: the compiled graph calls our kernels (CUDA) or their plain-PyTorch references (any other
-device), with the same bits.
+cannot trace those launchers, so under ``torch.compile`` the ops would take their plain-PyTorch path and Inductor
+would generate the kernels, which is slower (``python tools/compile_kernel_profile.py``, ``python
+tools/step_profile.py --mode fp8-delayed-compile --kernels``). The ops below are opaque to Inductor: the compiled
+graph calls our kernels (CUDA) or their plain-PyTorch references (any other device), with the same bits.
 
 Each op declares what it mutates (``mutates_args``: the amax slot it max-accumulates into, a view of
 ``ScalingState.amax_history`` in a compiled forward or of ``grad_amax`` in a compiled backward under delayed
-scaling, a zero-filled ``[1]`` buffer made in the graph under current scaling) and has a fake
-implementation giving the output shapes and dtypes, so AOTAutograd functionalizes the mutation as it does the
-reference path's.
+scaling, a zero-filled ``[1]`` buffer made in the graph under current scaling) and has a fake implementation giving
+the output shapes and dtypes, so AOTAutograd functionalizes the mutation as it does the reference path's.
 
-The ops: the activations (delayed scaling: forward written in FP8, backward cast-transposed with dbias,
-:func:`act_fwd_fp8` / :func:`act_bwd_fp8`; current scaling: written in high precision with the amax of what was
-written, :func:`act_fwd_amax` / :func:`act_bwd_dbias_amax`), the casts (:func:`cast_fp8`,
-:func:`cast_transpose_dbias_fp8`: delayed scaling, or current scaling from an amax: a kernel's, or one computed in
-the graph), and LayerNorm / RMSNorm (:func:`norm_fwd_fp8` writing the FP8 copy under delayed scaling, or under
-current scaling the high-precision output and its amax, with the residual add fused; :func:`norm_bwd` for the norms
-those wrote, whose mean / rstd have the kernel's layout), and the fused QKV projection's rotary embedding
-(:func:`rope_qk`: rotated q and k in one pass from the projection output) and its output gradient's cast from dq, dk,
-dv with the rotation's gradient inside (:func:`qkv_grad_cast_fp8`, delayed scaling). Those two replace, per layer,
-Inductor's generated rotation of q and k (forward and backward), the copy of dq, dk, dv into one buffer and a
-separate cast of it: 3.3 ms of the compiled gpt2-124m step's 26.2 ms of GPU work on the H100, plus 12 more
-cast-transposes, against 1.7 ms for our two kernels (``python tools/step_profile.py --model gpt2-124m --mode fp8-delayed-compile --kernels``).
+The ops: the activations (delayed scaling: written in FP8, :func:`act_fwd_fp8` / :func:`act_bwd_fp8`; current
+scaling: written in high precision with its amax, :func:`act_fwd_amax` / :func:`act_bwd_dbias_amax`), the casts
+(:func:`cast_fp8`, :func:`cast_transpose_dbias_fp8`, re-exported from :mod:`fp8engine.fp8.cast_ops`), LayerNorm /
+RMSNorm (:func:`norm_fwd_fp8`, :func:`norm_bwd`), the fused QKV projection's rotary embedding (:func:`rope_qk`) and
+its output gradient's cast with the rotation's gradient inside (:func:`qkv_grad_cast_fp8`, delayed scaling).
 
 Current scaling runs what eager mode runs on CUDA: the norm / activation kernel writes high precision and takes the
-amax of the values it wrote in the same pass (an atomic max per program), then :func:`cast_fp8` derives the scale
-from that amax on the device (``scale_from_amax``) and casts. Same kernels, same bits as eager mode; no separate
-amax read of the tensor, and nothing between the kernels for Inductor to generate but the zero fill of the amax
-buffers (Inductor on CPU, torch 2.13: one fused fill for a TransformerLayer's forward, and the ops' mutation of the
-buffers reinplaced: no copies).
+amax of the values it wrote in the same pass, then :func:`cast_fp8` derives the scale from that amax on the device
+(``scale_from_amax``) and casts: same kernels, same bits as eager mode, and nothing between the kernels for Inductor
+to generate but the zero fill of the amax buffers.
 
 Outputs a call does not produce are returned as empty ``[0]`` tensors (a custom op's outputs are tensors, never
-aliases of its inputs). The cuBLASLt GEMMs (GELU epilogue, accumulation into ``main_grad``) have their ops in
-:mod:`fp8engine.ops.gemm_ops`.
+aliases of its inputs). The cuBLASLt GEMMs have their ops in :mod:`fp8engine.ops.gemm_ops`.
 """
 from __future__ import annotations
 
@@ -44,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from fp8engine.fp8.cast_ops import (  # noqa: F401 (the cast ops live in the fp8 layer: the Quantizer calls them)
+    _none_as_empty, _scale_inv_like, cast_fp8, cast_transpose_dbias_fp8, compiled_kernel_ops)
 from fp8engine.fp8.library import kernel_op
 from fp8engine.ops.rotary import rotate_views, unrotate_grads
 
@@ -54,10 +43,6 @@ __all__ = ["act_fwd_fp8", "act_bwd_fp8", "act_fwd_amax", "act_bwd_dbias_amax", "
 #: (forward, backward + cast-transpose + dbias); the references are the same names + ``_reference``.
 ACT_KINDS = {"gelu": ("gelu_fwd", "gelu_bwd_cast_transpose"), "relu": ("relu_fwd", "relu_bwd_cast_transpose"),
              "swiglu": ("swiglu_fwd", "swiglu_bwd_cast_transpose")}
-
-# the cast ops and compiled_kernel_ops live in the fp8 layer (the Quantizer calls them); re-exported here
-from fp8engine.fp8.cast_ops import (  # noqa: E402,F401
-    _none_as_empty, _scale_inv_like, cast_fp8, cast_transpose_dbias_fp8, compiled_kernel_ops)
 
 
 def _launcher(kind: str, which: int, device: torch.device):
@@ -86,7 +71,7 @@ def act_fwd_fp8(h: torch.Tensor, kind: str, scale: torch.Tensor, fp8_dtype: torc
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         amax: ``[1]`` float32, max-accumulated with ``max |act(h)|`` in place.
     Returns:
-        ``y8 [*, D']`` in ``fp8_dtype`` (``D' = N`` for SwiGLU, else ``D``) and ``scale_inv [1]`` float32 (``1 / scale``).
+        ``y8 [*, D']`` in ``fp8_dtype`` (``D' = N`` for SwiGLU, else ``D``), ``scale_inv [1]`` float32 (``1 / scale``).
     Errors are the launcher's (:mod:`fp8engine.kernels.activation`)."""
     _, y8, scale_inv = _launcher(kind, 0, h.device)(h, scale=scale, fp8_dtype=fp8_dtype, amax_out=amax)
     return y8, scale_inv
@@ -127,13 +112,11 @@ def act_fwd_amax(h: torch.Tensor, kind: str, amax: torch.Tensor) -> torch.Tensor
     from that amax: :func:`cast_fp8` with ``scale_from_amax``). One pass over ``h``, as in eager mode on CUDA.
 
     Args:
-        h: ``[*, D]`` bf16 / fp16 / fp32, contiguous (SwiGLU: ``D = 2 N``, ``[gate | up]``).
-        kind: ``"gelu"`` (tanh approximation), ``"relu"`` or ``"swiglu"``.
+        h, kind: as :func:`act_fwd_fp8`.
         amax: ``[1]`` float32, max-accumulated in place with ``max |y|`` of the values written (in ``h.dtype``,
             NaN counted as +inf): pass zeros for the amax of this tensor alone.
     Returns:
-        ``y [*, D']`` in ``h.dtype`` (``D' = N`` for SwiGLU, else ``D``). Errors are the launcher's
-        (:mod:`fp8engine.kernels.activation`)."""
+        ``y [*, D']`` in ``h.dtype`` (``D' = N`` for SwiGLU, else ``D``). Errors are the launcher's."""
     y, _, _ = _launcher(kind, 0, h.device)(h, return_hp=True, amax_out=amax)
     return y
 
@@ -150,8 +133,7 @@ def act_bwd_dbias_amax(da: torch.Tensor, h: torch.Tensor, kind: str,
     cast op then casts ``dh`` with the scale derived from that amax): ``(dh, dbias)``. One pass, as in eager mode.
 
     Args:
-        da: ``[*, D']`` gradient of the activation output, ``h``'s dtype, contiguous.
-        h: ``[*, D]`` the activation's input, contiguous. kind: as :func:`act_fwd_amax`.
+        da, h, kind: as :func:`act_bwd_fp8`.
         amax: ``[1]`` float32, max-accumulated in place with ``max |dh|`` of the values written (``da.dtype``).
     Returns:
         ``dh [*, D]`` in ``da.dtype``; ``dbias [D]`` in ``da.dtype`` (fp32-accumulated column sums of ``dh``).
@@ -190,9 +172,8 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return_hp: also write ``y`` in ``x.dtype`` (must be True without an FP8 output).
     Returns:
         ``y`` like ``x`` (``[0]`` without ``return_hp``), ``y8`` like ``x`` in ``fp8_dtype``, ``scale_inv [1]`` (both
-        ``[0]`` without an FP8 output),
-        ``mean [M]`` float32 (``[0]`` for RMSNorm), ``rstd [M]`` float32, ``s`` (``[0]`` without ``residual``).
-        Formulas and errors: the kernels'."""
+        ``[0]`` without an FP8 output), ``mean [M]`` float32 (``[0]`` for RMSNorm), ``rstd [M]`` float32, ``s``
+        (``[0]`` without ``residual``). Formulas and errors: the kernels'."""
     fwd = _norm_launchers(x.device, rms)[0]
     res = {} if residual is None else dict(residual=residual, residual_out=torch.empty_like(x))
     out = fwd(x, weight, *(() if rms else (bias,)), eps, zero_centered_gamma=zero_centered_gamma, scale=scale,
@@ -264,12 +245,10 @@ def _qkv_grad_reference(dq, dk, dv, scale, fp8_dtype, amax_out=None, *, cos=None
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int, heads_per_group: int,
             head_dim: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q and k read from the grouped QKV projection output, in one pass
-    (:func:`fp8engine.kernels.rotary.rope_qk`; elsewhere :func:`fp8engine.ops.rotary.rope_fwd` on the views, the
-    same bits).
+    (:func:`fp8engine.kernels.rotary.rope_qk`; elsewhere :func:`fp8engine.ops.rotary.rope_fwd` on the views).
 
     Args:
-        qkv: ``[s, b, C]``, ``C = g * (hpg + 2) * d`` (layout: :mod:`fp8engine.ops.qkv`), contiguous, bf16 / fp16 /
-            fp32.
+        qkv: ``[s, b, C]``, ``C = g * (hpg + 2) * d`` (layout: :mod:`fp8engine.ops.qkv`), contiguous, bf16/fp16/fp32.
         cos, sin: ``[s, 1, 1, r]`` in qkv's dtype (:func:`fp8engine.ops.rotary.rope_cos_sin`).
         groups, heads_per_group, head_dim, batch: ``g``, ``hpg``, ``d``, ``b``.
     Returns:
@@ -280,8 +259,7 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int
 @rope_qk.register_fake
 def _(qkv, cos, sin, groups, heads_per_group, head_dim, batch):
     s = qkv.numel() // (batch * groups * (heads_per_group + 2) * head_dim)
-    return (qkv.new_empty((s, batch, groups * heads_per_group, head_dim)),
-            qkv.new_empty((s, batch, groups, head_dim)))
+    return (qkv.new_empty((s, batch, groups * heads_per_group, head_dim)), qkv.new_empty((s, batch, groups, head_dim)))
 
 
 @kernel_op("qkv_grad_cast_fp8", mutates_args=("amax",))

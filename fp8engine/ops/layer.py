@@ -1,58 +1,48 @@
 """A whole FP8 ``TransformerLayer`` step as one autograd node: the eager fast path of
 :class:`fp8engine.modules.TransformerLayer` under per-tensor scaling (delayed or current).
 
-Why: in eager mode a small layer's step time is its host time (Python, autograd, the dispatcher), and the composed
-layer pays it per sublayer: four FP8 autograd nodes (input norm + QKV GEMM, output projection, MLP norm, MLP),
-autograd's own nodes for the q/k/v views, their permutes and the rotary embedding (with gradient copies between
-them), and four module calls. This op issues the same kernels and GEMMs through the same functions
-(:func:`~fp8engine.ops.norm_linear.norm_fwd`, :func:`~fp8engine.ops.gemm.fp8_fprop`,
-:func:`~fp8engine.ops.mlp.fc1_fprop_act`, :func:`~fp8engine.ops.linear.dgrad_wgrad`, ...) from one forward and one
-backward, so it computes exactly what the composed layer computes: on CPU the same bits (tests compare them), on a
-GPU the same kernels in the same order, except the rotary embedding (below), whose kernels give the reference's
-bits.
+Why: in eager mode a small layer's step time is its host time, and the composed layer pays it per sublayer (four FP8
+autograd nodes, autograd's nodes for the q/k/v views, permutes and rotary embedding, four module calls). This op
+issues the same kernels and GEMMs through the same functions (:func:`~fp8engine.ops.norm_linear.norm_fwd`,
+:func:`~fp8engine.ops.gemm.fp8_fprop`, :func:`~fp8engine.ops.mlp.fc1_fprop_act`,
+:func:`~fp8engine.ops.linear.dgrad_wgrad`, ...) from one forward and one backward, so it computes exactly what the
+composed layer computes: on CPU the same bits (tests compare them), on a GPU the same kernels in the same order,
+except the rotary embedding, whose kernels give the reference's bits.
 
 Forward (``[s, b, h]`` in, out; TransformerEngine's GEMM names):
 
 1. ``ln1 = norm1(x)`` written in FP8 by the norm kernel -> QKV fprop ``qkv = ln1 @ Wqkv.T + bqkv``;
-2. q, k, v: views of ``qkv`` in the grouped layout (:mod:`fp8engine.ops.qkv`), rotary embedding on q and k (with
-   the kernels: one pass from ``qkv``, :func:`fp8engine.kernels.rotary.rope_qk`; else
-   :func:`fp8engine.ops.rotary.rope_fwd`),
-   attention by the backend ``torch.nn.functional.scaled_dot_product_attention`` picks (cuDNN / flash / memory
-   efficient on CUDA, flash on CPU): for cuDNN and flash its ATen op called directly and its backward op called in
-   this op's backward (:mod:`fp8engine.ops.sdpa`: no autograd node of its own); otherwise (dropout, GQA, other
-   backends) SDPA as its own autograd node, replayed in backward;
+2. q, k, v: views of ``qkv`` in the grouped layout (:mod:`fp8engine.ops.qkv`), q and k rotated
+   (:func:`fp8engine.ops.qkv.split_rotate`); attention by the backend SDPA picks: for cuDNN and flash its ATen ops
+   called directly, forward and backward (:mod:`fp8engine.ops.sdpa`); otherwise (dropout, GQA, other backends)
+   SDPA as its own autograd node, replayed in backward;
 3. the attention output cast to FP8 -> proj fprop ``a = ctx @ Wproj.T + bproj``;
 4. ``s2 = a + x`` and ``ln2 = norm2(s2)`` in one norm kernel, written in FP8 -> fc1 fprop (with the GELU epilogue
    where it applies) -> activation in FP8 -> fc2 fprop ``m``; the output is ``s2 + m``.
 
 Backward runs the same steps in reverse: fc2 / fc1 (:func:`~fp8engine.ops.mlp.act_bwd_cast` between), norm2's
 backward with the residual gradient added in the kernel, proj's dgrad / wgrad, attention backward, the QKV gradient
-cast straight from dq, dk, dv (``kernels.qkv_grad``, the rotary backward ``dq = g cos + rotate_half^T(g sin)``
-applied in its gather; :func:`fp8engine.ops.rotary.rope_bwd` first where the kernels do not run) with its dgrad /
+cast straight from dq, dk, dv with the rotary backward inside (:func:`fp8engine.ops.qkv.qkv_grad_fp8`) and its dgrad /
 wgrad, and norm1's backward with the gradient of the residual branch added.
 
 Hidden dropout (training) runs ``F.dropout`` on the attention and MLP branches where the composed layer does, in the
 same order (so the same masks), each as its own small autograd node replayed in backward, as SDPA's.
 
-Replay (:mod:`fp8engine.ops.replay`): the step issues the same ops on every call of a configuration, so with grad
-enabled the first call of each configuration (:func:`_replay_config` and :func:`_dispatch_state`, plus every input
-tensor's shape, strides, dtype and alignment) runs the Python below under a recorder, forward and backward, and later
-calls run the recorded ops as one generated function each: the same ops on the new tensors, bit-equal, without the
-Python between them (``tests/ops/test_replay.py``). Not replayed: dropout, GQA (SDPA keeps its node),
+Replay (:mod:`fp8engine.ops.replay`): with grad enabled, the first call of each configuration (:func:`_replay_config`,
+:func:`_dispatch_state` and every input tensor's shape, strides, dtype and alignment) runs the Python below under a
+recorder, forward and backward; later calls run the recorded ops as one generated function each: the same ops on the
+new tensors, bit-equal (``tests/ops/test_replay.py``). Not replayed: dropout, GQA (SDPA keeps its node),
 ``fuse_wgrad_accumulation``, FP8 statistics recording. ``FP8ENGINE_REPLAY=0`` (read at import) or ``REPLAY = False``
 turns it off.
 
-Autograd: the node obeys the rules of PyTorch's own nodes. ``retain_graph=True`` (``backward`` or
-``torch.autograd.grad``) keeps everything the backward reads, so another backward gives the same gradients (and
-records the same amaxes: delayed scaling max-accumulates them); without it the backward drops each saved tensor once
-used (as autograd frees its saved tensors) and a second backward raises PyTorch's "Trying to backward through the
-graph a second time" -- on the replayed step too. ``create_graph=True`` (a double backward) raises a RuntimeError
-(:func:`backward_keeps_graph`): the FP8 GEMMs and casts record no graph, so the gradients could not be differentiated
-again.
+Autograd: ``retain_graph=True`` keeps everything the backward reads, so another backward gives the same gradients
+(and records the same amaxes); without it each saved tensor is dropped once used and a second backward raises
+PyTorch's "Trying to backward through the graph a second time" -- on the replayed step too. ``create_graph=True``
+raises a RuntimeError (:func:`~fp8engine.ops.backward.backward_keeps_graph`).
 
-What it does not cover (``TransformerLayer._fused_plan`` returns None, and the layer runs its composed sublayers):
-block scaling, tensor / sequence parallelism, ``torch.compile`` tracing, a padding mask, an input whose dtype is not
-the ``torch.autocast`` dtype, separate q / k / v weights or a layer without input norm, ``return_layernorm_output``,
+Not covered (``TransformerLayer._fused_plan`` returns None and the layer runs its composed sublayers): block
+scaling, tensor / sequence parallelism, ``torch.compile`` tracing, a padding mask, an input whose dtype is not the
+``torch.autocast`` dtype, separate q / k / v weights or a layer without input norm, ``return_layernorm_output``,
 the unfused MLP (``LayerNormMLP.fused=False``).
 """
 from __future__ import annotations
@@ -103,18 +93,14 @@ class LayerPlan:
 #: ``FP8ENGINE_REPLAY=0`` turns the replay of recorded steps off (read at import).
 REPLAY = os.environ.get("FP8ENGINE_REPLAY", "1") != "0"
 #: replay key -> :class:`~fp8engine.ops.replay.Pair` (replayed; a ``Checked`` under ``FP8ENGINE_REPLAY=check``),
-#: the number of recordings started, or the reason the configuration is not replayed (str). Process-wide, bounded
-#: (least recently used out first) and with a budget of recordings at a configuration's first call:
-#: :class:`~fp8engine.ops.replay_cache.ProgramCache`.
+#: the number of recordings started, or the reason the configuration is not replayed (str). Process-wide and
+#: bounded: :class:`~fp8engine.ops.replay_cache.ProgramCache`.
 _PROGRAMS = replay_cache.ProgramCache()
 
 
 class _FP8TransformerLayer(torch.autograd.Function):
     """The layer step (module docstring); inputs ``x`` and the 12 parameters (None where absent), then the plan.
-
-    With ``p.replay`` set (:func:`fused_layer`), the first call of a configuration runs the Python below under a
-    :class:`~fp8engine.ops.replay.Recorder` (its forward and its backward) and later calls replay the recorded ops
-    (:mod:`fp8engine.ops.replay`): the same ops on the same tensors, without the Python between them."""
+    With ``p.replay`` set (:func:`fused_layer`), recorded at a configuration's first call, replayed later."""
 
     @staticmethod
     def forward(ctx, x, ln1_w, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_w, ln2_b, w1, b1, w2, b2, p: LayerPlan):
@@ -177,11 +163,10 @@ class _FP8TransformerLayer(torch.autograd.Function):
 
 
 def _step_inputs(x, params: tuple, p: LayerPlan) -> tuple[list, tuple]:
-    """Every tensor the step reads that it does not make: ``x``, the parameters, the FP8 weights, the scaling
-    state's views, the rotary angles (the replay's inputs, in a fixed order; None where absent), and their
-    :func:`~fp8engine.ops.replay.tensor_key` s. A quantizer's two views are the same tensors for the quantizer's
-    life (``get_quantizers`` builds new quantizers when the state's buffers change), so their keys are computed
-    once per quantizer (``Quantizer.replay_key``)."""
+    """Every tensor the step reads that it does not make (the replay's inputs, in a fixed order; None where absent):
+    ``x``, the parameters, the FP8 weights, the rotary angles, the scaling state's views; and their
+    :func:`~fp8engine.ops.replay.tensor_key` s. A quantizer's views are the same tensors for its life
+    (``get_quantizers`` builds new quantizers when the state's buffers change): their keys are computed once."""
     inputs = [x, *params]
     for w in p.w_fp8 or ():
         inputs += (w.data, w.scale_inv, w._data_t)
@@ -205,8 +190,8 @@ def _replay_config(p: LayerPlan):
     if (p.hidden_dropout or p.attn["dropout_p"] or p.rng is not None or p.fuse_wgrad
             or any(q.stats is not None for q in quantizers)):
         return None
-    return (tuple((q.fp8_dtype, q.kind, q.kernels) for q in quantizers), p.w_fp8 and tuple(w.dtype for w in p.w_fp8), p.split,
-            tuple(sorted(p.attn.items())), p.norm1, p.norm2, p.kind, p.gelu_epilogue,
+    return (tuple((q.fp8_dtype, q.kind, q.kernels) for q in quantizers), p.w_fp8 and tuple(w.dtype for w in p.w_fp8),
+            p.split, tuple(sorted(p.attn.items())), p.norm1, p.norm2, p.kind, p.gelu_epilogue,
             gemm_path.CUBLASLT_GEMM)  # the GEMM entry fp8_mm calls (a switch the tools flip)
 
 
@@ -219,14 +204,12 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
         qs, ws = (p.qkv.weight, p.proj.weight, p.fc1.weight, p.fc2.weight), (w_qkv, w_proj, w1, w2)
         # current scaling: the four amaxes in one multi-tensor op (max |w| is exact in w's dtype: the same values
         # as each cast's own reduction would give)
-        amaxes = (torch._foreach_norm(list(ws), float("inf")) if not qs[0].delayed
-                  else (None,) * 4)
+        amaxes = (None,) * 4 if qs[0].delayed else torch._foreach_norm(list(ws), float("inf"))
         p.w_fp8 = tuple(q.quantize(w, transpose=True, amax=a) for q, w, a in zip(qs, ws, amaxes))
     wq8, wp8, w18, w28 = p.w_fp8
     eps1, rms1, zc1 = p.norm1
     eps2, rms2, zc2 = p.norm2
-    need = ctx.needs_input_grad
-    grad = any(need[:13])
+    grad = any(ctx.needs_input_grad[:13])
     x = x.contiguous()
     # 1. input norm written in FP8 (its transpose is made when wgrad needs it), QKV fprop
     _, ln1_8, mean1, rstd1, _ = norm_fwd(x, ln1_w, ln1_b, eps1, rms=rms1, zero_centered_gamma=zc1,
@@ -238,12 +221,10 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
     keep = (lambda t: (t.transpose_2d(), t.scale_inv)) if grad else (lambda t: None)
     t_ln1, t_wq = keep(ln1_8), keep(wq8)
     del ln1_8
-    # 2. attention on the grouped views (rotary: new q, k), through PyTorch's SDPA with its own autograd node
+    # 2. attention on the grouped views (rotary: new q, k)
     g, hpg, d = p.split
-    q, k, v, rope = split_rotate(qkv.view(s, b, qkv.shape[-1]), p.split, p.rope,  # (the QKV op's rotation)
-                                 p.qkv.input.kernels)
+    q, k, v, rope = split_rotate(qkv.view(s, b, qkv.shape[-1]), p.split, p.rope, p.qkv.input.kernels)
     q = q.reshape(s, b, g * hpg, d)
-    cos, sin = rope if rope is not None else (None, None)
     qkv_a = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
     # attn_node: (backward function, what it takes): the fused backend's ops called directly (ops.sdpa), else
     # SDPA recorded as a node
@@ -252,8 +233,7 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
         o, attn_node = direct[0], (_sdpa_bwd, direct[1])
     else:
         with p.rng() if p.rng is not None else contextlib.nullcontext():
-            o, node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn), qkv_a,
-                                grad)
+            o, node = _node_fwd(lambda qa, ka, va: F.scaled_dot_product_attention(qa, ka, va, **p.attn), qkv_a, grad)
         attn_node = (_node_bwd, node)
     del qkv, q, k, v, qkv_a
     # 3. output projection
@@ -267,8 +247,7 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
                                           quantizer=p.fc1.input, transpose=grad, return_hp=False, residual=x,
                                           placeholder=False, kernels=p.fc1.input.kernels)
     del a
-    hid, a8 = fc1_fprop_act(ln2_8, w18, b1, dt, p.kind, p.fc2.input, transpose=grad,
-                            gelu_epilogue=p.gelu_epilogue)
+    hid, a8 = fc1_fprop_act(ln2_8, w18, b1, dt, p.kind, p.fc2.input, transpose=grad, gelu_epilogue=p.gelu_epilogue)
     t_ln2, t_w1 = keep(ln2_8), keep(w18)
     del ln2_8
     m = fp8_fprop(a8, w28, dt, b2)
@@ -282,10 +261,9 @@ def _forward(ctx, x, params: tuple, p: LayerPlan) -> torch.Tensor:
         ctx.t = (t_ln1, t_wq, t_ctx, t_wp, t_ln2, t_w1, t_a, t_w2)
         ctx.attn = attn_node
         ctx.drop = (a_drop, m_drop)
-        ctx.hp = (mean1, rstd1, s2, mean2, rstd2, hid, cos, sin)
+        ctx.hp = (mean1, rstd1, s2, mean2, rstd2, hid, rope)
         ctx.p = p
-        ctx.bias = (b_qkv is not None, b_proj is not None, ln2_b is not None, b1 is not None, b2 is not None,
-                    ln1_b is not None)
+        ctx.norm_bias = (ln1_b is not None, ln2_b is not None)
     return out
 
 
@@ -296,10 +274,10 @@ def _backward(ctx, dout, keep: bool) -> tuple:
     x, ln1_w, w_qkv, w_proj, ln2_w, w1, w2 = ctx.saved_tensors
     p = ctx.p
     ln1_t, wq_t, ctx_t, wp_t, ln2_t, w1_t, a_t, w2_t = ctx.t
-    attn_node = ctx.attn
-    mean1, rstd1, s2, mean2, rstd2, hid, cos, sin = ctx.hp
-    has_bqkv, has_bp, has_ln2b, has_b1, has_b2, has_ln1b = ctx.bias
-    need = ctx.needs_input_grad
+    attn_bwd, node = ctx.attn
+    mean1, rstd1, s2, mean2, rstd2, hid, rope = ctx.hp
+    has_ln1b, has_ln2b = ctx.norm_bias
+    need = ctx.needs_input_grad  # (False for an absent bias)
     fuse = p.fuse_wgrad
     a_drop, m_drop = ctx.drop
     if not keep:
@@ -308,36 +286,33 @@ def _backward(ctx, dout, keep: bool) -> tuple:
     dout = dout.contiguous()
     # fc2, activation, fc1 (the MLP op's backward), behind the hidden dropout of the MLP branch
     dm = _dropout_bwd(m_drop, dout, keep)
-    dy_8, db2 = p.fc2.grad_output.quantize_dbias(dm.view(s * b, h), transpose=True, dbias=has_b2 and need[12])
+    dy_8, db2 = p.fc2.grad_output.quantize_dbias(dm.view(s * b, h), transpose=True, dbias=need[12])
     del dm, m_drop
     da, dw2 = dgrad_wgrad(dy_8, w2_t, a_t, w2, fuse)
     # (each intermediate is dropped once used: autograd frees a node's buffers between the composed nodes)
     del dy_8, w2_t, a_t
-    dh_8, db1 = act_bwd_cast(da, hid, p.kind, p.fc1.grad_output, transpose=True, dbias=has_b1 and need[10])
+    dh_8, db1 = act_bwd_cast(da, hid, p.kind, p.fc1.grad_output, transpose=True, dbias=need[10])
     del da, hid
     dln2, dw1 = dgrad_wgrad(dh_8, w1_t, ln2_t, w1, fuse)
     del dh_8, w1_t, ln2_t
     # norm2 with the residual's gradient added in the kernel: d s2 (= d a = d x through the residual)
     eps2, rms2, zc2 = p.norm2
-    ds2, dln2_w, dln2_b = norm_bwd(dln2.view(s, b, h), s2, mean2, rstd2, ln2_w, rms=rms2,
-                                   zero_centered_gamma=zc2, has_bias=has_ln2b, dresidual=dout,
-                                   kernels=p.fc1.input.kernels)
+    ds2, dln2_w, dln2_b = norm_bwd(dln2.view(s, b, h), s2, mean2, rstd2, ln2_w, rms=rms2, zero_centered_gamma=zc2,
+                                   has_bias=has_ln2b, dresidual=dout, kernels=p.fc1.input.kernels)
     del dln2, s2, dout
     # output projection, behind the hidden dropout of the attention branch
     da = _dropout_bwd(a_drop, ds2, keep)
-    dp_8, dbp = p.proj.grad_output.quantize_dbias(da.reshape(s * b, h), transpose=True,
-                                                  dbias=has_bp and need[6])
+    dp_8, dbp = p.proj.grad_output.quantize_dbias(da.reshape(s * b, h), transpose=True, dbias=need[6])
     del da, a_drop
     dattn, dwp = dgrad_wgrad(dp_8, wp_t, ctx_t, w_proj, fuse)
     del dp_8, wp_t, ctx_t
     # attention's backward (the backend's backward op, or SDPA's node), the QKV gradient cast from dq, dk, dv
     g, hpg, d = p.split
     do = dattn.view(s, b, g * hpg, d).permute(1, 2, 0, 3)
-    attn_bwd, node = attn_node
     dq, dk, dv = (t.permute(2, 0, 1, 3) for t in attn_bwd(node, do, keep))
-    del do, dattn, attn_node
+    del do, dattn
     dqkv_8, dbqkv = qkv_grad_fp8(dq.reshape(s, b, g, hpg, d), dk, dv, p.qkv.grad_output, hpg, transpose=True,
-                                 dbias=has_bqkv and need[4], rope=None if cos is None else (cos, sin))
+                                 dbias=need[4], rope=rope)
     del dq, dk, dv
     dln1, dwq = dgrad_wgrad(dqkv_8, wq_t, ln1_t, w_qkv, fuse)
     del dqkv_8, wq_t, ln1_t
@@ -389,9 +364,6 @@ def _sdpa_bwd(saved: tuple, do: torch.Tensor, keep: bool) -> tuple:
     return sdpa_bwd(saved, do)
 
 
-#: The autograd engine's ``retain_graph`` for the backward running now (the graph task's ``keep_graph``): PyTorch's
-#: compiled autograd functions read the same flag to decide whether their saved tensors are used once
-#: (``torch/_functorch/_aot_autograd/runtime_wrappers.py``).
 def fused_layer(x: torch.Tensor, params: tuple, plan: LayerPlan) -> torch.Tensor:
     """One FP8 TransformerLayer step (module docstring) as one autograd node.
 
@@ -413,9 +385,8 @@ def fused_layer(x: torch.Tensor, params: tuple, plan: LayerPlan) -> torch.Tensor
 
 def _dispatch_state(x: torch.Tensor) -> tuple:
     """The process state the ops of a step dispatch on, besides their arguments (part of the replay key):
-    ``torch.autocast`` (it casts some ops' inputs: the amax reduction runs in fp32 under it), the backend choice of
-    and the switches that steer SDPA's backend choice (the kernels' backend is the quantizers', in
-    :func:`_replay_config`)."""
+    ``torch.autocast`` (the amax reduction runs in fp32 under it), deterministic algorithms and the switches that
+    steer SDPA's backend choice (the kernels' backend is the quantizers', in :func:`_replay_config`)."""
     device = x.device.type
     cuda = torch.backends.cuda
     return (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device),

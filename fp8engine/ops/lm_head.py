@@ -12,15 +12,12 @@ The tokens are cut into chunks of ``chunk_size`` rows. Per chunk, in forward (Li
 
 The float32 steps are two functions of :mod:`fp8engine.kernels.cross_entropy` (row statistics, then the logits
 gradient). Where :func:`~fp8engine.fp8.float8_tensor.use_kernels` holds (CUDA, eager or CUDA graph) they run as
-two Triton kernels over the GEMM's 16-bit logits (:mod:`fp8engine.kernels.cross_entropy`: the row statistics in one
-read, the gradient written in place in one read and write: 6 bytes per logit where the plain chain moves ~54), the
-chunks are 4x larger (only the 16-bit logits are a ``[c, V]`` temporary) and the wgrad GEMM adds into the fp32
-``dW`` in its epilogue (``torch.addmm(..., out_dtype=torch.float32)``). Under ``torch.compile`` and on CPU their
-plain-PyTorch references run (Inductor fuses them itself).
+its two Triton kernels over the GEMM's 16-bit logits (6 bytes moved per logit where the plain chain moves ~54), the
+chunks are 4x larger and the wgrad GEMM adds into the fp32 ``dW`` in its epilogue. Under ``torch.compile`` and on
+CPU their plain-PyTorch references run (Inductor fuses them itself).
 
 Backward then only multiplies ``dh`` and ``dW`` by the incoming scalar gradient. Peak extra memory: one chunk's
-logits (a few ``[c, V]`` float32 temporaries) plus ``dh`` and a float32 ``dW``; the unfused loss holds
-``[tokens, V]`` in the compute dtype and in float32, and their gradient.
+logits plus ``dh`` and a float32 ``dW``.
 
 Vocabulary-parallel form (:mod:`fp8engine.parallel.lm_head_loss`): ``W`` is this rank's vocabulary shard starting at
 row ``vocab_start`` and a ``reduce(t, op)`` callback all-reduces the per-row max (``op="max"``) and the stacked
@@ -29,9 +26,6 @@ reduced by the region mapping the caller put in front of ``hidden``. This file n
 
 The chunk loop has a fixed trip count for given shapes and no data-dependent shape or host synchronisation, so it
 runs under CUDA-graph capture and ``torch.compile`` (which unrolls it).
-
-:func:`lm_head_cross_entropy` also dispatches to the optional Triton libraries ``liger-kernel`` and
-``cut-cross-entropy`` (CUDA only; ``pip install fp8engine[lm-loss]``) and to the unfused reference.
 """
 from __future__ import annotations
 
@@ -51,14 +45,11 @@ LM_LOSS_BACKENDS = ("chunked", "liger", "cce", "unfused")
 #: Targets equal to this are left out of the loss and of the mean's count (torch's ``cross_entropy`` default).
 IGNORE_INDEX = -100
 #: Logit elements per chunk that :func:`default_chunk_size` aims for: 2**26 = 64 Mi, i.e. 256 MiB per float32
-#: ``[c, V]`` temporary. At GPT-2's vocabulary (50304) that is 1024 token rows (16 chunks of a 16 x 1024 batch),
-#: rows enough for the chunk GEMMs to stay large; at a byte vocabulary every batch is one chunk. Chosen by this
-#: arithmetic, not yet by a GPU sweep (issue 45 asks for one).
+#: ``[c, V]`` temporary; 1024 token rows at GPT-2's vocabulary (50304). Chosen by this arithmetic, not by a GPU sweep.
 _CHUNK_ELEMENTS = 2 ** 26
 #: The same with the Triton cross-entropy kernels, whose only ``[c, V]`` temporary is the GEMM's 16-bit output (its
-#: gradient is written in place): 2**28 = 512 MiB of bf16 logits, i.e. 4096 rows at GPT-2's vocabulary. Fewer,
-#: larger chunks make fewer passes of the fp32 weight-gradient accumulation (one read and write of ``[V, h]`` fp32
-#: per chunk) and larger GEMMs.
+#: gradient is written in place): 2**28 = 512 MiB of bf16 logits. Fewer chunks: fewer passes of the fp32 ``dW``
+#: accumulation (one read and write of ``[V, h]`` per chunk) and larger GEMMs.
 _KERNEL_CHUNK_ELEMENTS = 2 ** 28
 #: Fewest rows per chunk (FP8/tensor-core friendly multiple of 16).
 _MIN_CHUNK_ROWS = 16
@@ -96,23 +87,14 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32, or float64 for float64 GEMMs (the tests' reference precision)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _chunk(h_c: torch.Tensor, w_c: torch.Tensor, t_c: torch.Tensor, vocab_start: int, ignore_index: int,
            reduce: Optional[Reduce], grad_scale: Optional[torch.Tensor], kernels: bool):
-    """One chunk: ``(loss_rows [c] fp32, dz [c, V_local] in w_c.dtype or None)``. ``grad_scale``: ``1 / n_valid``
-    (0-d fp32 tensor) when the gradient is wanted, else None. (fp32 reads fp64 for float64 GEMMs.)
-
-    After the GEMM, two steps of :mod:`fp8engine.kernels.cross_entropy`: the row statistics (max, sum-exp, raw target
-    logit) and the logits gradient; ``kernels``: their Triton kernels (one read of the logits, then one read and an
-    in-place write), else their plain-PyTorch references (float32 temporaries; Inductor fuses them under
-    ``torch.compile``). Vocabulary-parallel, the shards' statistics are combined between the steps: global max,
-    each shard's sum-exp rescaled to it, target logits summed."""
-    row_stats, grad_ = (ce.ce_row_stats, ce.ce_grad_) if kernels else (ce.ce_row_stats_reference,
-                                                                      ce.ce_grad_reference)
+    """One chunk (module docstring): ``(loss_rows [c] fp32, dz [c, V_local] in w_c.dtype or None)``. ``grad_scale``:
+    ``1 / n_valid`` (0-d fp32 tensor) when the gradient is wanted, else None (fp32 reads fp64 for float64 GEMMs).
+    ``kernels``: the Triton kernels of :mod:`fp8engine.kernels.cross_entropy`, else their references.
+    Vocabulary-parallel, the shards' row statistics (max, sum-exp, raw target logit) are combined between the two
+    steps: global max, each shard's sum-exp rescaled to it, target logits summed."""
+    row_stats, grad_ = (ce.ce_row_stats, ce.ce_grad_) if kernels else (ce.ce_row_stats_reference, ce.ce_grad_reference)
     z = h_c @ w_c.t()                                             # fprop [c, V_local], compute dtype
     m, sum_exp, predicted = row_stats(z, t_c, vocab_start)
     if reduce is not None:
@@ -174,9 +156,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             h = hidden.to(dtype)
             w = weight.to(dtype)
-            valid_count = (target != ignore_index).sum().to(_stats_dtype(dtype))
+            stats = torch.promote_types(dtype, torch.float32)  # float64 for float64 GEMMs (the tests' reference)
+            valid_count = (target != ignore_index).sum().to(stats)
             grad_scale = 1.0 / valid_count if (need_dh or need_dw) else None
-            dw = torch.zeros(w.shape, dtype=_stats_dtype(dtype), device=w.device) if need_dw else None
+            dw = torch.zeros(w.shape, dtype=stats, device=w.device) if need_dw else None
             losses, dhs = [], []
             for start in range(0, h.shape[0], chunk_size):
                 h_c, t_c = h[start:start + chunk_size], target[start:start + chunk_size]
@@ -193,11 +176,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dh, dw = ctx.saved_tensors
-        if dh is not None:
-            dh = dh * grad_loss.to(dh.dtype)
-        if dw is not None:
-            dw = dw * grad_loss.to(dw.dtype)
+        dh, dw = (None if t is None else t * grad_loss.to(t.dtype) for t in ctx.saved_tensors)
         return dh, dw, None, None, None, None, None, None, None, None, None
 
 
@@ -237,14 +216,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     grad = torch.is_grad_enabled()
     return _FusedLinearCrossEntropy.apply(hidden2d, weight, target1d, dtype, chunk_size, vocab_start, ignore_index,
-                                          reduce, grad and hidden.requires_grad, grad and weight.requires_grad,
-                                          kernels)
-
-
-def _unfused(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    logits = F.linear(hidden, weight)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
-                           ignore_index=ignore_index)
+                                          reduce, grad and hidden.requires_grad, grad and weight.requires_grad, kernels)
 
 
 def _library_loss(backend: str, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -292,7 +264,9 @@ def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: to
     if backend == "chunked":
         return fused_linear_cross_entropy(hidden, weight, target, ignore_index=ignore_index, chunk_size=chunk_size)
     if backend == "unfused":
-        return _unfused(hidden, weight, target, ignore_index)
+        logits = F.linear(hidden, weight)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
+                               ignore_index=ignore_index)
     if backend in ("liger", "cce"):
         return _library_loss(backend, hidden, weight, target, ignore_index)
     raise ValueError(f"unknown LM loss backend {backend!r}; choose one of {', '.join(LM_LOSS_BACKENDS)}")

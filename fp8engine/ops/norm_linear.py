@@ -18,7 +18,7 @@ import torch
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import Quantizer
-from fp8engine.ops.kernel_ops import compiled_kernel_ops
+from fp8engine.ops.kernel_ops import compiled_kernel_ops, norm_bwd as norm_bwd_op, norm_fwd_fp8
 
 __all__ = ["norm", "norm_cast", "norm_fwd", "norm_bwd", "NORMALIZATIONS"]
 
@@ -57,8 +57,6 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         reads them; their layout depends on the path taken).
     """
     if _op_path(x, quantizer, rms):  # traced by torch.compile: the fused kernel as a custom op
-        from fp8engine.ops.kernel_ops import norm_fwd_fp8
-
         x = x.contiguous()
         fused = _fuses_cast(x, quantizer)
         scale = amax = None
@@ -83,9 +81,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         from fp8engine.kernels import norm as kn
 
         x = x.contiguous()
-        res = {}
-        if residual is not None:
-            res = dict(residual=residual.contiguous(), residual_out=torch.empty_like(x))
+        res = {} if residual is None else dict(residual=residual.contiguous(), residual_out=torch.empty_like(x))
         # fused cast for delayed scaling; current scaling (the kernel also takes the amax of the y it writes) and
         # FP8 stats recording (fp8engine.fp8.stats: counts need y) write y and cast it separately; block scaling
         # has its own norm kernel writing the 1 x 128-tiled copy (rows padded) and its re-tiled transpose
@@ -161,8 +157,7 @@ def _op_path(x: torch.Tensor, quantizer: Optional[Quantizer], rms: bool) -> bool
     """True when :func:`norm_fwd` runs the norm kernel as a custom op (:mod:`fp8engine.ops.kernel_ops`): traced by
     ``torch.compile`` and either fusing the FP8 cast (:func:`_fuses_cast`), or taking the amax for current scaling's
     cast (:func:`_kernel_amax`), or RMSNorm on any device (Dynamo cannot trace ``torch._fused_rms_norm``, and
-    torch 2.11's Dynamo returned wrong input gradients for the traced fp32-math RMSNorm: 12 dB against eager with a
-    residual, zero for fp32 inputs; the op, opaque to it, runs the kernel on CUDA and its reference elsewhere). Its
+    traced the fp32-math RMSNorm wrongly in torch 2.11; the op runs the kernel on CUDA, its reference elsewhere). Its
     mean / rstd then have the kernel's layout, which :func:`norm_bwd` is told with ``op_path``."""
     return torch.compiler.is_compiling() and (rms or _fuses_cast(x, quantizer) or _kernel_amax(x, quantizer))
 
@@ -175,38 +170,29 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean, rstd, weight: torch.Tensor
     ``dresidual`` (like x): a gradient reaching ``x`` by another path, added to dx (in the kernel on CUDA).
     ``op_path``: the forward ran the custom op (:func:`_op_path`): the backward kernel runs as one too;
     ``kernels``: the forward's backend (:func:`norm_fwd`)."""
-    if op_path:
-        from fp8engine.ops.kernel_ops import norm_bwd as norm_bwd_op
-
-        dres = None if dresidual is None else dresidual.contiguous()
-        dx, dw, db = norm_bwd_op(dy.contiguous(), x.contiguous(), mean, rstd, weight, dres, rms, zero_centered_gamma)
-        return dx, dw, (None if rms else db)
-    if kernels:
-        from fp8engine.kernels import norm as kn
-
+    if op_path or kernels:
         dy, x = dy.contiguous(), x.contiguous()
         dres = None if dresidual is None else dresidual.contiguous()
+        if op_path:
+            dx, dw, db = norm_bwd_op(dy, x, mean, rstd, weight, dres, rms, zero_centered_gamma)
+            return dx, dw, (None if rms else db)
+        from fp8engine.kernels import norm as kn
+
         if rms:
             dx, dw = kn.rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=zero_centered_gamma, dresidual=dres)
             return dx, dw, None
-        return kn.layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma,
-                                dresidual=dres)
-    dx, dw, db = _norm_bwd_torch(dy, x, mean, rstd, weight, rms, zero_centered_gamma, has_bias)
-    return (dx if dresidual is None else dx + dresidual), dw, db
-
-
-def _norm_bwd_torch(dy, x, mean, rstd, weight, rms, zero_centered_gamma, has_bias):
+        return kn.layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=zero_centered_gamma, dresidual=dres)
     gamma = _gamma(weight, zero_centered_gamma)
-    shape = (x.shape[-1],)
     if not rms:
-        return torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, gamma,
-                                                         gamma if has_bias else None, [True, True, has_bias])
-    # RMSNorm: fp32 math (ATen's fused RMSNorm backward has no CPU kernel in torch 2.13).
-    xhat = x.float() * rstd
-    wdy = dy.float() * gamma.float()
-    dx = rstd * (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True))
-    dw = (dy.float() * xhat).reshape(-1, shape[0]).sum(0)
-    return dx.to(x.dtype), dw.to(weight.dtype), None
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy, x, (x.shape[-1],), mean, rstd, gamma,
+                                                               gamma if has_bias else None, [True, True, has_bias])
+    else:  # fp32 math (ATen's fused RMSNorm backward has no CPU kernel in torch 2.13)
+        xhat = x.float() * rstd
+        wdy = dy.float() * gamma.float()
+        dx = rstd * (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True))
+        dw = (dy.float() * xhat).reshape(-1, x.shape[-1]).sum(0)
+        dx, dw, db = dx.to(x.dtype), dw.to(weight.dtype), None
+    return (dx if dresidual is None else dx + dresidual), dw, db
 
 
 class _NormCast(torch.autograd.Function):
@@ -268,11 +254,8 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
               residual: Optional[torch.Tensor] = None, return_input: bool = False) -> tuple:
     """:func:`norm` plus the FP8 copy ``[M, N]`` of its output cast by ``quantizer`` (with its transpose
     when ``transpose``, for the wgrad of the GEMM that consumes it). Returns ``(y, y_fp8)``, or ``(y, y_fp8, s)``
-    with ``return_input`` (``residual`` and ``s`` as in :func:`norm`).
-
-    ``return_hp=False``: the caller only consumes ``y_fp8`` and uses ``y`` as the tensor its gradient flows
-    through (shape and dtype only); the fused kernel then skips the high-precision write (see :func:`norm_fwd`).
-    A ``residual`` of another dtype is promoted with ``x`` as in :func:`norm`."""
+    with ``return_input`` (``residual``, its dtype promotion and ``s`` as in :func:`norm`). ``return_hp=False``: the
+    caller consumes only ``y_fp8`` and ``y`` just carries its gradient (:func:`norm_fwd`)."""
     x, residual = _same_dtype(x, residual)
     y, y_fp8, s = _NormCast.apply(x, weight, bias, eps, rms, zero_centered_gamma, quantizer, transpose,
                                   return_hp, residual, quantizer.kernels)

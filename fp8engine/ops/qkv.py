@@ -4,18 +4,13 @@ Layout (Megatron-LM / TransformerEngine interleaved QKV): the projection output 
 ``C = g * (hpg + 2) * d``, is ``[s, b, g, hpg + 2, d]``: per KV group its ``hpg`` query heads, its key head, its
 value head. Forward returns the views ``q [s, b, g, hpg, d]``, ``k, v [s, b, g, d]`` (no copy).
 
-Backward receives ``dq, dk, dv`` (as scaled-dot-product attention's backward returns them, any strides). With the
-Triton kernels and delayed scaling they are cast straight into the FP8 output gradient, its transpose and the bias
-gradient by ``kernels.qkv_grad.qkv_grad_cast_transpose_dbias`` (one pass; no ``[T, C]`` high-precision buffer).
-Otherwise they are copied into that buffer (:func:`kernels.qkv_grad.assemble_qkv_grad`) and cast as any linear's
-output gradient. Both give the same FP8 bits and bias gradient; dgrad and wgrad are then the linear's own
+Backward receives ``dq, dk, dv`` (as scaled-dot-product attention's backward returns them, any strides) and casts
+them into the FP8 output gradient (:func:`qkv_grad_fp8`: one pass with the Triton kernels, no ``[T, C]``
+high-precision buffer; else through that buffer, the same bits); dgrad and wgrad are then the linear's own
 (:func:`fp8engine.ops.linear.linear_backward`).
 
 Rotary embedding (``freqs=``, the angles of :class:`fp8engine.modules.attention.RotaryEmbedding`): q and k come back
-rotated, written in one pass from the projection output by :func:`fp8engine.kernels.rotary.rope_qk` where the
-kernels run (else :func:`fp8engine.ops.rotary.rope_fwd` on the views: the same bits), and the backward applies the
-rotation's gradient inside the gather-cast kernel (else :func:`fp8engine.ops.rotary.rope_bwd` first). What this
-saves per layer: the plain-PyTorch rotation's ten kernels on q and k in forward and again in backward.
+rotated (:func:`split_rotate`); the backward applies the rotation's gradient first, inside the kernel where it runs.
 """
 from __future__ import annotations
 
@@ -25,12 +20,12 @@ import torch
 
 from fp8engine.fp8.float8_tensor import Float8Tensor
 from fp8engine.fp8.quantizer import LinearQuantizers, Quantizer
-from fp8engine.kernels.qkv_grad import assemble_qkv_grad
+from fp8engine.kernels.qkv_grad import assemble_qkv_grad, qkv_grad_cast_transpose_dbias
 from fp8engine.kernels.rotary import check_rope_table, rope_qk
 from fp8engine.ops.backward import backward_keeps_graph
 from fp8engine.ops import kernel_ops
 from fp8engine.ops.linear import _FP8Linear, linear_backward, linear_input
-from fp8engine.ops.rotary import qkv_views, rope_bwd, rope_cos_sin, rope_fwd, rotate_views, unrotate_grads
+from fp8engine.ops.rotary import qkv_views, rope_cos_sin, rotate_views, unrotate_grads
 
 __all__ = ["fp8_linear_qkv", "split_grouped_qkv", "qkv_grad_fp8"]
 
@@ -76,9 +71,7 @@ class _SplitGroupedQKV(torch.autograd.Function):
 
 def split_grouped_qkv(mixed: torch.Tensor, groups: int, heads_per_group: int, head_dim: int,
                       freqs: Optional[torch.Tensor] = None, *, kernels: bool):
-    """``mixed [s, b, g * (hpg + 2) * d]`` -> ``(q [s, b, g, hpg, d], k [s, b, g, d], v [s, b, g, d])``: views, or
-    with rotary angles ``freqs [s, 1, 1, r]`` (:class:`fp8engine.modules.attention.RotaryEmbedding`) q and k
-    rotated (``rope_fwd``'s bits, new tensors; ``kernels``: the caller's backend, :func:`split_rotate`), v a view."""
+    """``mixed [s, b, g * (hpg + 2) * d]`` -> ``(q, k, v)`` as :func:`split_rotate` (high precision, autograd)."""
     return _SplitGroupedQKV.apply(mixed, groups, heads_per_group, head_dim, freqs, kernels)
 
 
@@ -112,17 +105,14 @@ def qkv_grad_fp8(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Opt
     strides; None is zero), cast by ``quantizer`` (the grad_output role), with its transpose when ``transpose`` and
     the bias gradient ``[C]`` when ``dbias``: ``(dy_fp8 [T, C], db or None)``. ``rope``: ``(cos, sin)`` angle tables
     (:func:`fp8engine.ops.rotary.rope_cos_sin`) when dq and dk are the gradients of rotated q and k: the rotation's
-    gradient (:func:`fp8engine.ops.rotary.rope_bwd`) is applied first. Kernels, delayed scaling, all three given: one
-    pass, the rotation inside it (module docstring); a quantizer with its own fused cast (block scaling's
-    ``cast_qkv_grad``, :func:`fp8engine.kernels.qkv_grad.qkv_grad_1x128`) likewise; otherwise ``rope_bwd``, then
-    the assembled buffer cast as any linear's output gradient (same bits)."""
+    gradient (:func:`fp8engine.ops.rotary.rope_bwd`) is applied first. One pass, the rotation inside, with the
+    kernels under delayed scaling (all three given) or a quantizer's own fused cast (block scaling's
+    ``cast_qkv_grad``); else the assembled buffer cast as any linear's output gradient (same bits)."""
     q = quantizer
     if q.delayed and q.stats is None and dq is not None and dk is not None and dv is not None:
         cos, sin = rope if rope is not None else (None, None)
         out = None
         if q.kernels:
-            from fp8engine.kernels.qkv_grad import qkv_grad_cast_transpose_dbias
-
             out = qkv_grad_cast_transpose_dbias(dq, dk, dv, q.scale, q.fp8_dtype, q.amax, cos=cos, sin=sin)
         elif q.state is not None and kernel_ops.compiled_kernel_ops(dq):
             # traced by torch.compile: the same kernel as an opaque op, into the state's compiled views

@@ -16,12 +16,10 @@ def rope_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     """``cos`` and ``sin`` of the angles ``freqs [s, 1, 1, r]``, each in ``dtype``, contiguous (the layout the
     rotary kernels read, :mod:`fp8engine.kernels.rotary`).
 
-    Computed once per angle tensor and dtype: the tables are kept on ``freqs`` itself (with its version counter, so
-    an in-place change of the angles recomputes them), and every layer a model passes the same angle tensor to
-    (:class:`fp8engine.models.GPT` keeps one per sequence length) reuses them, where each layer's attention paid
-    four kernels per forward before. Not under ``torch.compile`` (computed in the graph, where Inductor fuses them),
-    nor for angles that require grad or were made under ``torch.inference_mode`` (no version counter); tables first
-    made during a CUDA graph capture are not kept (kept ones made before it are used by the graph)."""
+    Kept on ``freqs`` itself per dtype (with its version counter: an in-place change of the angles recomputes them),
+    so every layer a model passes the same angle tensor to (:class:`fp8engine.models.GPT` keeps one per sequence
+    length) reuses them. Not under ``torch.compile`` (computed in the graph, where Inductor fuses them), nor for
+    angles that require grad or were made under ``torch.inference_mode`` (no version counter)."""
     if torch.compiler.is_compiling() or freqs.requires_grad or freqs.is_inference():
         return _tables(freqs, dtype)
     kept = freqs.__dict__.setdefault("_fp8engine_rope_tables", {})

@@ -2,9 +2,8 @@
 fused FP8 layer step (:mod:`fp8engine.ops.layer`) keeps the forward's outputs and calls the backward kernel itself.
 
 Why: ``torch.nn.functional.scaled_dot_product_attention`` inside a hand-written backward needs its own autograd
-node, replayed with ``torch.autograd.grad``: leaves to detach, a graph to record, an engine run and its validation
-per layer step. On one H100's host that cost 184 us in forward and 347 us in backward of the ``[128, 1, 256]``
-layer step (``python tools/layer_host_time.py --sections delayed``), where the backend ops cost one dispatch each.
+node, replayed with ``torch.autograd.grad`` (leaves to detach, a graph to record, an engine run per layer step),
+where the backend ops cost one dispatch each (``python tools/layer_host_time.py --sections delayed``).
 
 What runs: the backend ``torch._fused_sdp_choice`` picks for these inputs -- the choice SDPA itself makes, under the
 same ``torch.nn.attention.sdpa_kernel`` / ``torch.backends.cuda`` settings -- and, for the backends below, the ATen
@@ -15,12 +14,11 @@ same kernels run on the same tensors:
 - flash (CUDA): ``_scaled_dot_product_flash_attention`` / ``..._backward`` (head dim a multiple of 8: SDPA would pad
   it first);
 - flash (CPU), float32 inputs: ``_scaled_dot_product_flash_attention_for_cpu`` / ``..._backward`` (its bf16 / fp16
-  kernel raised ``pack_vnni2 is only supported when avx512 is supported`` for a 128-token sequence on a host without
-  AVX-512, torch 2.11: the CPU runs of other dtypes keep SDPA's own handling).
+  kernel raised ``pack_vnni2 is only supported when avx512 is supported`` on a host without AVX-512, torch 2.11).
 
 Everything else -- the math or memory-efficient backends, dropout (its RNG draws stay SDPA's), grouped-query
-``enable_gqa`` -- returns None from :func:`sdpa_fwd` and the caller records SDPA as an autograd node instead (an
-explicit ``scale`` or mask is not taken here: the fused layer step has neither). Numerics: equal to SDPA's (same op, same arguments); the CPU tests compare bits.
+``enable_gqa`` -- returns None from :func:`sdpa_fwd` and the caller records SDPA as an autograd node instead (no
+explicit ``scale`` or mask: the fused layer step has neither). Numerics: SDPA's (same op, same arguments).
 """
 from __future__ import annotations
 
