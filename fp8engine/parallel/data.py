@@ -13,12 +13,6 @@ __all__ = ["broadcast_data"]
 _MAX_DIMS = 8  # sizes travel as a fixed [len(keys), 8] int64 block (Megatron's _MAX_DATA_DIM)
 
 
-def _comm_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def broadcast_data(keys: Sequence[str], data: Dict[str, torch.Tensor], datatype: torch.dtype, *,
                    tp_group) -> Dict[str, torch.Tensor]:
     """Broadcast ``data[key]`` for every key from tp rank 0 to the tp group, in two collectives (sizes, then
@@ -36,10 +30,11 @@ def broadcast_data(keys: Sequence[str], data: Dict[str, torch.Tensor], datatype:
     """
     if get_group_size(tp_group) == 1:
         return {k: data[k].to(datatype) for k in keys}
-    device = _comm_device(tp_group)
-    src = dist.get_global_rank(tp_group, 0)
+    nccl = dist.get_backend(tp_group) == "nccl"  # NCCL communicates CUDA tensors
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    src, is_src = dist.get_global_rank(tp_group, 0), get_group_rank(tp_group) == 0
     sizes = torch.zeros(len(keys), _MAX_DIMS, dtype=torch.int64, device=device)
-    if get_group_rank(tp_group) == 0:
+    if is_src:
         for i, k in enumerate(keys):
             if k not in data:
                 raise ValueError(f"broadcast_data: key {k!r} missing from data (has {sorted(data)})")
@@ -53,7 +48,7 @@ def broadcast_data(keys: Sequence[str], data: Dict[str, torch.Tensor], datatype:
     dist.broadcast(sizes, src=src, group=tp_group)
     shapes = [tuple(int(d) for d in row if d >= 0) for row in sizes.tolist()]
     numels = [int(torch.Size(s).numel()) for s in shapes]
-    if get_group_rank(tp_group) == 0:
+    if is_src:
         flat = torch.cat([data[k].reshape(-1).to(device) for k in keys])
     else:
         flat = torch.empty(sum(numels), dtype=datatype, device=device)

@@ -1,47 +1,33 @@
 """Data-parallel gradient averaging that a CUDA graph can capture.
 
-``torch.nn.parallel.DistributedDataParallel`` averages gradients in buckets launched while the backward runs, but
-its reducer keeps host-side state between iterations (bucket rebuilding, ready-order checks, the autograd-engine
-callback that finalises a backward), and a whole-step capture of it fails on this platform
-(``cudaErrorStreamCaptureInvalidated``, also with ``static_graph=True`` after 11 warm-up steps on a side stream).
-:class:`GradientAverager` does the same arithmetic with explicit collectives.
-
-What is averaged: a parameter's gradient is its ``main_grad`` where it has one, else its ``.grad``. Layers built with
-``fuse_wgrad_accumulation=True`` (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``; the tensor-parallel layers'
-``gradient_accumulation_fusion``) and FP8 primary weights (:func:`fp8engine.fp8_model_init`) add their weight
-gradient into an fp32 ``param.main_grad`` and leave ``.grad`` None; as in Megatron-core's DDP (where ``main_grad`` is a
-view of its grad buffer) and TransformerEngine, ``main_grad`` is then the gradient that is reduced. A parameter holding
-a ``.grad`` besides its ``main_grad`` (other memory) is ambiguous and refused (``ValueError``), not guessed at.
+``torch.nn.parallel.DistributedDataParallel``'s reducer keeps host-side state between iterations (bucket
+rebuilding, ready-order checks, the autograd-engine callback that finalises a backward), and a whole-step capture of
+it fails on this platform (``cudaErrorStreamCaptureInvalidated``, also with ``static_graph=True`` after 11 warm-up
+steps on a side stream). :class:`GradientAverager` does the same arithmetic with explicit collectives:
 
 - parameters are grouped into buckets of about ``bucket_mb`` MiB in reverse registration order (the order in
-  which a transformer's backward produces their gradients, DDP's heuristic), one bucket dtype at a time: a bucket
-  holds only gradients of one dtype (fp32 ``main_grad`` and fp32 ``.grad`` together; bf16 ``.grad`` apart), so its
-  flat buffer is that dtype and nothing is averaged in a narrower one; buckets are ordered by the position of
-  their last parameter, the point of the backward where they can be complete;
+  which a transformer's backward produces their gradients, DDP's heuristic); a bucket holds gradients of one dtype
+  (fp32 ``main_grad`` and fp32 ``.grad`` together; bf16 ``.grad`` apart), so nothing is averaged in a narrower one;
+  buckets are ordered by the position of their last parameter, the point of the backward where they can be
+  complete;
 - a post-accumulate-grad hook per parameter counts the gradients ready; when a bucket is complete (and every
   bucket before it has been launched, so all ranks launch in the same order) its gradients are copied into one
-  flat buffer and AVG-all-reduced asynchronously (NCCL; other backends divide by the group size and sum): the
-  communication overlaps with the rest of the backward, as DDP's does. The hook also fires for a ``main_grad``
-  parameter: torch runs a leaf's post-accumulate-grad hooks when autograd reaches its gradient accumulator, also
-  with no gradient (the fused layers return None for the weight), and that node runs only after every backward
-  feeding the parameter, the ones adding into ``main_grad`` included, so ``main_grad`` is complete then (checked
-  for every fp8engine module, with and without FP8, FP8 primary weights, FP8 weight caching and torch.compile);
-- :meth:`finish` (after the last backward of a step) launches any bucket a parameter without a hook call held
-  back (a ``.grad`` still None counts as zeros, and receives the average; a ``main_grad`` is averaged as it is),
-  waits for every all-reduce, makes each ``param.grad`` a view of the averaged buffer (no copy back) and copies
-  each averaged ``main_grad`` back into the ``main_grad`` tensor itself (in place: the modules look it up and
-  accumulate into it, optimizers such as :class:`fp8engine.training.master_weights.FP8MasterWeights` hold it as a
-  master's ``.grad``; one extra pass over those bytes).
+  flat buffer and AVG-all-reduced asynchronously, overlapping the rest of the backward as DDP's do. The hook also
+  fires for a ``main_grad`` parameter: torch runs a leaf's post-accumulate-grad hooks when autograd reaches its
+  gradient accumulator, also with no gradient (the fused layers return None for the weight), and that node runs
+  only after every backward feeding the parameter, the ones adding into ``main_grad`` included, so ``main_grad`` is
+  complete then (checked for every fp8engine module, with and without FP8, FP8 primary weights, FP8 weight caching
+  and torch.compile). :meth:`GradientAverager.finish`, after a step's last backward, does the rest.
 
 Every step issues the same collectives in the same order from the same Python, with no host synchronisation, so
-the training command captures the whole step, all-reduces included, in one CUDA graph. During gradient
-accumulation the averaging runs once per step: micro-batches inside :meth:`no_sync` only accumulate (DDP's
-``no_sync``; the fused layers keep adding into ``main_grad``). The result equals DDP's average (sum of the replicas'
-gradients / replicas), up to the summation order of the all-reduce.
+the training command captures the whole step, all-reduces included, in one CUDA graph. Micro-batches inside
+:meth:`GradientAverager.no_sync` only accumulate (DDP's ``no_sync``). The result equals DDP's average (sum of the
+replicas' gradients / replicas), up to the summation order of the all-reduce.
 """
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Iterable, Optional
 
 import torch
@@ -106,12 +92,15 @@ def _check_single_gradient(param: torch.Tensor, main_grad: torch.Tensor) -> None
 class GradientAverager:
     """Average the gradients of ``params`` over ``group`` in buckets launched during the backward.
 
-    What is averaged, per parameter ``p`` (module docstring): ``p.main_grad`` where it is a tensor (fp32
-    ``[p.shape]``: ``fuse_wgrad_accumulation`` layers and FP8 primary weights write there; ``p.grad`` must then be
-    None or ``main_grad`` itself), else ``p.grad`` (``[p.shape]``, ``p``'s dtype; None counts as zeros). After
-    :meth:`finish`, ``p.main_grad`` (the same tensor object, overwritten in place) or ``p.grad`` (a view of the
-    bucket's averaged buffer) holds the group's mean. Zero ``main_grad`` between steps (``FP8MasterWeights
-    .zero_grad`` does), as ``.grad`` is reset: the modules accumulate into it.
+    What is averaged, per parameter ``p``: ``p.main_grad`` where it is a tensor (fp32 ``[p.shape]``: layers built
+    with ``fuse_wgrad_accumulation=True`` or ``gradient_accumulation_fusion`` and FP8 primary weights
+    (:func:`fp8engine.fp8_model_init`) add their weight gradient there and leave ``.grad`` None; Megatron-core's DDP
+    and TransformerEngine reduce it too), else ``p.grad`` (``[p.shape]``, ``p``'s dtype; None counts as zeros). A
+    ``.grad`` besides the ``main_grad`` (other memory) is ambiguous and refused, not guessed at. After
+    :meth:`finish`, ``p.main_grad`` (the same tensor object, overwritten in place: the modules accumulate into it,
+    optimizers such as :class:`fp8engine.training.master_weights.FP8MasterWeights` hold it as a master's ``.grad``)
+    or ``p.grad`` (a view of the bucket's averaged buffer) holds the group's mean. Zero ``main_grad`` between steps
+    (``FP8MasterWeights.zero_grad`` does), as ``.grad`` is reset.
 
     Args:
         params: the parameters whose gradients to average (those with ``requires_grad``); every rank of the group
@@ -142,29 +131,22 @@ class GradientAverager:
         # NCCL averages inside the all-reduce (ReduceOp.AVG, NCCL >= 2.10: a pre-multiplied sum); other backends
         # (gloo) sum a bucket divided by the group size first: one more pass over the bucket.
         self._avg = dist.get_backend(group) == "nccl"
-        limit = bucket_mb * 2 ** 20
-        buckets: list[list[torch.nn.Parameter]] = []
-        dtypes: list[torch.dtype] = []
-        sizes: list[float] = []
-        last: list[int] = []  # position (in reverse registration order) of each bucket's last parameter
-        open_bucket: dict[torch.dtype, int] = {}  # the bucket that parameters of a dtype are added to
+        limit, buckets = bucket_mb * 2 ** 20, []
+        open_bucket: dict[torch.dtype, SimpleNamespace] = {}  # the bucket that parameters of a dtype are added to
         for position, p in enumerate(reversed(params)):
             dtype = torch.float32 if _main_grad(p) is not None or _is_fp8(p) else p.dtype
             nbytes = p.numel() * dtype.itemsize
-            index = open_bucket.get(dtype)
-            if index is None or sizes[index] + nbytes > limit:
-                index = open_bucket[dtype] = len(buckets)
-                buckets.append([])
-                dtypes.append(dtype)
-                sizes.append(0)
-                last.append(position)
-            buckets[index].append(p)
-            sizes[index] += nbytes
-            last[index] = position
-        order = sorted(range(len(buckets)), key=last.__getitem__)
-        self.buckets: list[list[torch.nn.Parameter]] = [buckets[i] for i in order]
+            bucket = open_bucket.get(dtype)
+            if bucket is None or bucket.nbytes + nbytes > limit:
+                bucket = open_bucket[dtype] = SimpleNamespace(dtype=dtype, nbytes=0, params=[])
+                buckets.append(bucket)
+            bucket.params.append(p)
+            bucket.nbytes += nbytes
+            bucket.last = position  # in reverse registration order
+        buckets.sort(key=lambda b: b.last)
+        self.buckets: list[list[torch.nn.Parameter]] = [b.params for b in buckets]
         #: the dtype each bucket averages in (that of all its gradients)
-        self.bucket_dtypes: list[torch.dtype] = [dtypes[i] for i in order]
+        self.bucket_dtypes: list[torch.dtype] = [b.dtype for b in buckets]
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._sync = True
         self._reset()
@@ -195,8 +177,7 @@ class GradientAverager:
         index = self._bucket_of[id(param)]
         self._ready[index] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
-            self._launch(self._next)
-            self._next += 1
+            self._launch_next()
 
     def _gradient(self, param: torch.nn.Parameter, dtype: torch.dtype) -> tuple:
         """``(what to average, main_grad or None)`` for ``param`` in a bucket of ``dtype`` (class docstring)."""
@@ -219,7 +200,9 @@ class GradientAverager:
                 "is FP8, else the parameter's dtype): build the GradientAverager after allocating main_grad")
         return grad, main_grad
 
-    def _launch(self, index: int) -> None:
+    def _launch_next(self) -> None:
+        """All-reduce bucket ``self._next`` asynchronously and advance ``self._next``."""
+        index = self._next
         dtype = self.bucket_dtypes[index]
         grads, mains = zip(*(self._gradient(p, dtype) for p in self.buckets[index]))
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -229,16 +212,14 @@ class GradientAverager:
             flat.div_(self.world)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._pending.append((index, flat, work, list(mains)))
+        self._next += 1
 
     def finish(self) -> None:
-        """Average what the last backward left: launch the buckets not launched yet (a ``.grad`` still None counts
-        as zeros), wait for every all-reduce, then point each ``param.grad`` at its average (``[param.shape]``,
-        the parameter's dtype) and copy each averaged ``main_grad`` into ``param.main_grad`` in place (fp32
-        ``[param.shape]``, the same tensor). Errors as in the class docstring; the averager is reset either way."""
+        """Average what the last backward left: launch the buckets not launched yet, wait for every all-reduce and
+        write the averages to ``.grad`` / ``main_grad`` (class docstring). The averager is reset, also on errors."""
         try:
             while self._next < len(self.buckets):
-                self._launch(self._next)
-                self._next += 1
+                self._launch_next()
             for _, _, work, _ in self._pending:
                 work.wait()
             for index, flat, _, mains in self._pending:

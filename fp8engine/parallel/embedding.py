@@ -51,14 +51,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """``input_``: int64 token ids ``[b, s]`` (any shape without ``reduce_scatter_embeddings``)."""
-        if get_group_size(self.tp_group) > 1:
+        if get_group_size(self.tp_group) == 1:
+            out = F.embedding(input_, self.weight)
+        else:  # tokens of other ranks' rows look up row 0, then zeros
             outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             local = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-        else:
-            outside, local = None, input_
-        out = F.embedding(local, self.weight)
-        if outside is not None:
-            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
             out = out.transpose(0, 1).contiguous()  # [b, s, D] -> [s, b, D]
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)

@@ -2,11 +2,12 @@
 reduce-scatter + residual add + RMSNorm + all-gather between them (Megatron-core ``inference_layers.py``'s
 data flow, on plain NCCL/gloo collectives: no symmetric memory, NVLink multicast stays off).
 
-Per rank, ``t`` tokens, tp ranks: the residual stream is ``[t/tp, h]``; a :class:`InferenceLayerNormColumnParallelLinear`
-normalises its shard and all-gathers ``[t, h]`` before its GEMM; a :class:`InferenceRowParallelLinear` reduce-scatters
-its partial ``[t, h]`` output to ``[t/tp, h]``. :func:`reduce_scatter_residual_rmsnorm_all_gather` fuses the row
-layer's exit with the next layer's norm and gather: one reduce-scatter, the residual add and RMSNorm on the
-``1/tp`` shard, one all-gather. ``t`` must be divisible by tp (pad the batch). High precision only (no FP8).
+Per rank, ``t`` tokens, tp ranks: the residual stream is ``[t/tp, h]``; an
+:class:`InferenceLayerNormColumnParallelLinear` normalises its shard and all-gathers ``[t, h]`` before its GEMM; an
+:class:`InferenceRowParallelLinear` reduce-scatters its partial ``[t, h]`` output to ``[t/tp, h]``.
+:func:`reduce_scatter_residual_rmsnorm_all_gather` fuses the row layer's exit with the next layer's norm and gather:
+one reduce-scatter, the residual add and RMSNorm on the ``1/tp`` shard, one all-gather. ``t`` must be divisible by
+tp (pad the batch). High precision only (no FP8).
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from torch import nn
 from fp8engine.fp8.quantizer import call_kernels
 from fp8engine.ops.norm_linear import norm
 from fp8engine.parallel.fp8_comm import all_gather_dim0
-from fp8engine.parallel.layers import init_full_linear
-from fp8engine.parallel.utils import divide, get_group_rank, get_group_size, reduce_scatter_dim0
+from fp8engine.parallel.layers import _shard_linear
+from fp8engine.parallel.utils import ensure_divisibility, get_group_rank, get_group_size, reduce_scatter_dim0
 
 __all__ = ["rms_norm", "reduce_scatter_residual_rmsnorm_all_gather", "InferenceLayerNormColumnParallelLinear",
            "InferenceRowParallelLinear"]
@@ -65,14 +66,11 @@ class InferenceLayerNormColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = False, eps: float = 1e-5,
                  init_method: Optional[Callable] = None, params_dtype=None, device=None):
         super().__init__()
-        out_local = divide(output_size, get_group_size(tp_group), "output_size")
-        dtype = params_dtype or torch.get_default_dtype()
+        ensure_divisibility(output_size, get_group_size(tp_group), "output_size")
         self.tp_group, self.eps = tp_group, eps
+        dtype = params_dtype or torch.get_default_dtype()
         self.layer_norm_weight = nn.Parameter(torch.ones(input_size, dtype=dtype, device=device))
-        w, b = init_full_linear(output_size, input_size, bias, init_method, dtype, device)
-        rows = slice(get_group_rank(tp_group) * out_local, (get_group_rank(tp_group) + 1) * out_local)
-        self.weight = nn.Parameter(w[rows].clone())
-        self.bias = nn.Parameter(b[rows].clone()) if bias else None
+        self.weight, self.bias = _shard_linear(output_size, input_size, bias, init_method, dtype, device, tp_group, 0)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, input_is_normed_and_gathered: bool = False):
@@ -95,13 +93,10 @@ class InferenceRowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = False,
                  init_method: Optional[Callable] = None, params_dtype=None, device=None):
         super().__init__()
-        in_local = divide(input_size, get_group_size(tp_group), "input_size")
-        dtype = params_dtype or torch.get_default_dtype()
+        ensure_divisibility(input_size, get_group_size(tp_group), "input_size")
         self.tp_group = tp_group
-        w, b = init_full_linear(output_size, input_size, bias, init_method, dtype, device)
-        cols = slice(get_group_rank(tp_group) * in_local, (get_group_rank(tp_group) + 1) * in_local)
-        self.weight = nn.Parameter(w[:, cols].contiguous())
-        self.bias = nn.Parameter(b.clone()) if bias else None
+        self.weight, self.bias = _shard_linear(output_size, input_size, bias, init_method, params_dtype, device,
+                                               tp_group, 1)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,

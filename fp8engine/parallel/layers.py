@@ -18,6 +18,7 @@ the same layer built unsharded with the same seed (Megatron's ``_initialize_affi
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -40,11 +41,22 @@ from fp8engine.parallel.fsdp import local_tensor
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "init_full_linear", "all_reduce_sequence_parallel_grads"]
 
 
-def init_full_linear(out_features: int, in_features: int, bias: bool, init_method: Optional[Callable],
-                     dtype: torch.dtype, device=None):
-    """The unsharded ``(weight [N, K], bias [N] or None)`` exactly as ``fp8engine.Linear`` initialises them
-    (:func:`fp8engine.ops.init.init_linear_params`), drawn from the current RNG."""
-    return init_linear_params(out_features, in_features, bias, init_method, dtype, device)
+#: ``init_full_linear(out_features, in_features, bias, init_method, dtype, device)``: the unsharded
+#: ``(weight [N, K], bias [N] or None)`` exactly as ``fp8engine.Linear`` initialises them, from the current RNG.
+init_full_linear = init_linear_params
+
+
+def _shard_linear(output_size: int, input_size: int, bias: bool, init_method: Optional[Callable], params_dtype,
+                  device, tp_group, dim: int):
+    """This rank's ``(weight, bias or None)`` Parameters: the weight of :func:`init_full_linear` split along
+    ``dim``, 0 (rows, and the bias with them) or 1 (columns; the bias whole)."""
+    dtype = params_dtype or torch.get_default_dtype()
+    w, b = init_full_linear(output_size, input_size, bias, init_method, dtype, device)
+    part = w.shape[dim] // get_group_size(tp_group)
+    index = slice(get_group_rank(tp_group) * part, (get_group_rank(tp_group) + 1) * part)
+    if dim == 0:  # clones: the rows are views that would keep the whole tensors alive
+        return nn.Parameter(w[index].clone()), (nn.Parameter(b[index].clone()) if bias else None)
+    return nn.Parameter(w[:, index].contiguous()), (nn.Parameter(b.clone()) if bias else None)
 
 
 class _TPLinearBase(nn.Module):
@@ -73,11 +85,6 @@ class _TPLinearBase(nn.Module):
             self._block_dims_checked = True
         return quantizers
 
-    def _tp_linear(self, x, bias, quantizers):
-        """The layer's op with its communication (``self._comm``): :func:`fp8engine.ops.linear.linear` (FP8 with
-        ``quantizers``, per-tensor or block-scaled; plain matmuls without)."""
-        return linear(x, self.weight, bias, quantizers, comm=self._comm, fuse_wgrad=self.gradient_accumulation_fusion)
-
 
 class ColumnParallelLinear(_TPLinearBase):
     """``Y = X A + b`` with ``A`` split by columns: rank ``r`` holds ``weight [N/tp, K]`` (rows
@@ -105,8 +112,7 @@ class ColumnParallelLinear(_TPLinearBase):
                  gather_output: bool = False, sequence_parallel: bool = False, skip_bias_add: bool = False,
                  gradient_accumulation_fusion: bool = False, init_method: Optional[Callable] = None,
                  params_dtype=None, device=None, fp8_all_gather: bool = True):
-        tp = get_group_size(tp_group)
-        out_local = divide(output_size, tp, "ColumnParallelLinear output_size")
+        out_local = divide(output_size, get_group_size(tp_group), "ColumnParallelLinear output_size")
         super().__init__(input_size, out_local, tp_group, device)
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be used with sequence_parallel=True")
@@ -114,11 +120,8 @@ class ColumnParallelLinear(_TPLinearBase):
         self.gather_output, self.sequence_parallel, self.skip_bias_add = gather_output, sequence_parallel, skip_bias_add
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.fp8_all_gather = fp8_all_gather
-        dtype = params_dtype or torch.get_default_dtype()
-        full_w, full_b = init_full_linear(output_size, input_size, bias, init_method, dtype, device)
-        rows = slice(get_group_rank(tp_group) * out_local, (get_group_rank(tp_group) + 1) * out_local)
-        self.weight = nn.Parameter(full_w[rows].clone())
-        self.bias = nn.Parameter(full_b[rows].clone()) if bias else None
+        self.weight, self.bias = _shard_linear(output_size, input_size, bias, init_method, params_dtype, device,
+                                               tp_group, 0)
         for p in (self.weight, self.bias):
             if p is not None:  # Megatron's markers, read by checkpoint/optimizer code
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
@@ -127,8 +130,8 @@ class ColumnParallelLinear(_TPLinearBase):
     def forward(self, input_: torch.Tensor):
         """Returns ``(output, output_bias)``; see the class docstring for shapes."""
         quantizers = self._fp8_begin()
-        bias = None if self.skip_bias_add else self.bias
-        out = self._tp_linear(input_, bias, quantizers)
+        out = linear(input_, self.weight, None if self.skip_bias_add else self.bias, quantizers, comm=self._comm,
+                     fuse_wgrad=self.gradient_accumulation_fusion)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
@@ -164,20 +167,16 @@ class RowParallelLinear(_TPLinearBase):
                  input_is_parallel: bool = False, sequence_parallel: bool = False, skip_bias_add: bool = False,
                  gradient_accumulation_fusion: bool = False, init_method: Optional[Callable] = None,
                  params_dtype=None, device=None):
-        tp = get_group_size(tp_group)
-        in_local = divide(input_size, tp, "RowParallelLinear input_size")
+        in_local = divide(input_size, get_group_size(tp_group), "RowParallelLinear input_size")
         super().__init__(in_local, output_size, tp_group, device)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.input_size, self.output_size, self.input_size_per_partition = input_size, output_size, in_local
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.skip_bias_add, self.gradient_accumulation_fusion = skip_bias_add, gradient_accumulation_fusion
-        dtype = params_dtype or torch.get_default_dtype()
-        full_w, full_b = init_full_linear(output_size, input_size, bias, init_method, dtype, device)
-        cols = slice(get_group_rank(tp_group) * in_local, (get_group_rank(tp_group) + 1) * in_local)
-        self.weight = nn.Parameter(full_w[:, cols].contiguous())
+        self.weight, self.bias = _shard_linear(output_size, input_size, bias, init_method, params_dtype, device,
+                                               tp_group, 1)
         self.weight.tensor_model_parallel, self.weight.partition_dim, self.weight.partition_stride = True, 1, 1
-        self.bias = nn.Parameter(full_b.clone()) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
         self._comm = TPLinearComm(tp_group, "row", sequence_parallel)
@@ -187,7 +186,8 @@ class RowParallelLinear(_TPLinearBase):
         quantizers = self._fp8_begin()
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         # the op sums the partial outputs over the ranks (reduce-scatter with sequence parallel), then adds the bias
-        out = self._tp_linear(x, None if self.skip_bias_add else self.bias, quantizers)
+        out = linear(x, self.weight, None if self.skip_bias_add else self.bias, quantizers, comm=self._comm,
+                     fuse_wgrad=self.gradient_accumulation_fusion)
         return out, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
@@ -212,9 +212,7 @@ def all_reduce_sequence_parallel_grads(module: nn.Module, tp_group) -> None:
                 grads.append(local_tensor(g))  # under FSDP: this rank's shard (the same one on every tp rank)
     if not grads:
         return
-    dtype = torch.float32
-    for g in grads:  # sum in fp32 at least (float64 grads stay float64)
-        dtype = torch.promote_types(dtype, g.dtype)
+    dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads], torch.float32)  # fp32 at least
     flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
     dist.all_reduce(flat, group=tp_group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):

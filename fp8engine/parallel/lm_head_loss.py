@@ -56,13 +56,10 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
     Raises:
         ValueError: shapes that do not match (after the gather), ``chunk_size < 1``.
     """
-    size = get_group_size(tp_group)
-    if size > 1:
-        if sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, tp_group)
-        else:
-            hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
-    reduce = _GroupReduce(tp_group) if size > 1 else None
+    reduce = None
+    if get_group_size(tp_group) > 1:
+        enter = gather_from_sequence_parallel_region if sequence_parallel else copy_to_tensor_model_parallel_region
+        hidden, reduce = enter(hidden, tp_group), _GroupReduce(tp_group)
     vocab_start = get_group_rank(tp_group) * weight.shape[0]
     return fused_linear_cross_entropy(hidden, weight, target, ignore_index=ignore_index, chunk_size=chunk_size,
                                       vocab_start=vocab_start, reduce=reduce)

@@ -5,21 +5,8 @@ Notation, per rank of a group of size ``tp``: ``[s, b, h]`` is a full tensor, ``
 (dim 0), ``[s, b, h/tp]`` a hidden shard (last dim). ``group=None`` means one rank: every mapping is then the
 identity (a tensor passed through unchanged), so model code runs unsharded without ``torch.distributed``.
 
-| mapping                                      | forward                    | backward                  |
-|----------------------------------------------|----------------------------|---------------------------|
-| copy_to_tensor_model_parallel_region         | identity                   | all-reduce                |
-| reduce_from_tensor_model_parallel_region     | all-reduce                 | identity                  |
-| scatter_to_tensor_model_parallel_region      | split last dim             | all-gather last dim       |
-| gather_from_tensor_model_parallel_region     | all-gather last dim        | split last dim            |
-| scatter_to_sequence_parallel_region          | split dim 0                | all-gather dim 0          |
-| gather_from_sequence_parallel_region         | all-gather dim 0           | reduce-scatter dim 0 (*)  |
-| reduce_scatter_to_sequence_parallel_region   | reduce-scatter dim 0       | all-gather dim 0          |
-| all_gather_last_dim_from_tensor_parallel_... | all-gather last dim        | reduce-scatter last dim   |
-| reduce_scatter_last_dim_to_tensor_parallel_. | reduce-scatter last dim    | all-gather last dim       |
-| all_to_all                                   | all-to-all dim 0           | all-to-all, splits swapped|
-| all_to_all_sp2hp / all_to_all_hp2sp          | [s/tp, h] <-> [s, h/tp]    | the other one             |
-
-(*) or split dim 0 when ``tensor_parallel_output_grad=False`` (the consumer's gradient is already replicated).
+Each mapping's backward is the conjugate collective of its forward (identity / all-reduce, split / all-gather,
+all-gather / reduce-scatter, all-to-all / the inverse all-to-all); each function's docstring names the pair.
 """
 from __future__ import annotations
 
@@ -43,9 +30,8 @@ __all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_par
 # gradient tensor may feed several autograd branches).
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    # ``t`` itself when already contiguous, without calling ``.contiguous()``: that no-op alias, returned from an
-    # autograd function's forward, gave the input a zero gradient under the torch.compile of torch 2.11 (Dynamo;
-    # found on 2 gloo ranks with scatter_to_sequence_parallel_region and the gather along the last dim)
+    # not ``t.contiguous()`` on a contiguous ``t``: that alias, returned from an autograd function's forward, gave the
+    # input a zero gradient under torch 2.11's torch.compile
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -63,12 +49,15 @@ def _split_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return _contiguous(x.narrow(-1, get_group_rank(group) * part, part))
 
 
-def _split_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+def _split_along_first_dim(x: torch.Tensor, group, split_sizes: Optional[List[int]] = None) -> torch.Tensor:
     size = get_group_size(group)
     if size == 1:
         return x
-    part = divide(x.shape[0], size, "first dim")
-    return _contiguous(x.narrow(0, get_group_rank(group) * part, part))
+    rank = get_group_rank(group)
+    if split_sizes is None:
+        part = divide(x.shape[0], size, "first dim")
+        return _contiguous(x.narrow(0, rank * part, part))
+    return _contiguous(x.narrow(0, sum(split_sizes[:rank]), split_sizes[rank]))
 
 
 def _gather_along_first_dim(x: torch.Tensor, group, output_split_sizes: Optional[List[int]] = None) -> torch.Tensor:
@@ -98,8 +87,7 @@ def _reduce_scatter_along_first_dim(x: torch.Tensor, group,
     if input_split_sizes is None:
         return reduce_scatter_dim0(x, group)[0]
     rank = get_group_rank(group)
-    # uneven slices: an all-to-all of the slices, then the sum of what came back, in rank order (gloo has no
-    # reduce-scatter)
+    # uneven slices: all-to-all them, then sum what came back in rank order (gloo has no reduce-scatter)
     parts = all_to_all_single(x, group, [input_split_sizes[rank]] * size, list(input_split_sizes))
     return parts.reshape((size, input_split_sizes[rank]) + tuple(x.shape[1:])).sum(0)
 
@@ -108,15 +96,8 @@ def _reduce_scatter_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = get_group_size(group)
     if size == 1:
         return x
-    # Move the last-dim chunks to dim 0, reduce-scatter, and we hold our own chunk.
-    stacked = torch.cat(x.chunk(size, dim=-1), dim=0)
+    stacked = torch.cat(x.chunk(size, dim=-1), dim=0)  # the last-dim chunks, rank-major along dim 0
     return _reduce_scatter_along_first_dim(stacked, group)
-
-
-def _all_to_all(x: torch.Tensor, group, output_split_sizes=None, input_split_sizes=None) -> torch.Tensor:
-    if get_group_size(group) == 1:
-        return x
-    return all_to_all_single(x, group, output_split_sizes, input_split_sizes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,13 +157,8 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if ctx.tp_grad:
-            return _reduce_scatter_along_first_dim(dy, ctx.group, ctx.split_sizes), None, None, None
-        if ctx.split_sizes is not None and get_group_size(ctx.group) > 1:
-            rank = get_group_rank(ctx.group)
-            start = sum(ctx.split_sizes[:rank])
-            return _contiguous(dy.narrow(0, start, ctx.split_sizes[rank])), None, None, None
-        return _split_along_first_dim(dy, ctx.group), None, None, None
+        scatter = _reduce_scatter_along_first_dim if ctx.tp_grad else _split_along_first_dim
+        return scatter(dy, ctx.group, ctx.split_sizes), None, None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -201,12 +177,14 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, x, output_split_sizes, input_split_sizes):
         ctx.group, ctx.out_splits, ctx.in_splits = group, output_split_sizes, input_split_sizes
-        return _all_to_all(x, group, output_split_sizes, input_split_sizes) if get_group_size(group) > 1 \
+        return all_to_all_single(x, group, output_split_sizes, input_split_sizes) if get_group_size(group) > 1 \
             else x.view_as(x)
 
     @staticmethod
     def backward(ctx, dy):
-        return None, _all_to_all(dy, ctx.group, ctx.in_splits, ctx.out_splits), None, None
+        if get_group_size(ctx.group) > 1:  # the inverse exchange: splits swapped
+            dy = all_to_all_single(dy, ctx.group, ctx.in_splits, ctx.out_splits)
+        return None, dy, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------

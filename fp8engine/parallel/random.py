@@ -3,11 +3,6 @@
 No global tracker: an :class:`RNGStatesTracker` is an object passed to the code that forks from it
 (:func:`default_rng_tracker` gives one per process for convenience). Works on CPU generators and on CUDA.
 
-Seeds (Megatron's): data-parallel seed = ``seed`` (the default generator: identical on the ranks of a tp group,
-for e.g. dropout on replicated activations); tensor-parallel seed = ``seed + 2718 + tp_rank`` (the
-``"model-parallel-rng"`` state: different per tp rank, for dropout inside tp regions); expert-parallel seed =
-``seed + 1024 + 100 * ep_rank + tp_rank``.
-
 Activation checkpointing in two spellings over one implementation: Megatron-core's
 ``checkpoint(function, distribute_saved_activations, *args)`` and TransformerEngine's
 ``te_checkpoint(function, *args, **kwargs)``; both replay RNG (tracker included), ``torch.autocast`` and FP8
@@ -38,17 +33,6 @@ def _device_type(device) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device).type
-
-
-def _get_state(device_type: str) -> torch.Tensor:
-    return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
-
-
-def _set_state(device_type: str, state: torch.Tensor) -> None:
-    if device_type == "cuda":
-        torch.cuda.set_rng_state(state)
-    else:
-        torch.set_rng_state(state)
 
 
 def _generator(device_type: str) -> torch.Generator:
@@ -105,7 +89,7 @@ class RNGStatesTracker:
             return {k: v.get_state() for k, v in self.states_.items()}
         states = {k: v.clone() for k, v in self.states_.items()}
         if self._active is not None:
-            states[self._active] = _get_state(self.device_type)
+            states[self._active] = torch.get_rng_state()  # not graph-safe: the CPU generator
         return states
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
@@ -148,28 +132,24 @@ class RNGStatesTracker:
         if name not in self.states_:
             raise KeyError(f"RNG state {name!r} is not in the tracker (has {sorted(self.states_)}); call add() or "
                            "model_parallel_manual_seed() first")
-        outer = self._active
+        outer, gen = self._active, _generator(self.device_type)
         if self.graph_safe:  # swap state objects: the outer one (maybe ``name`` itself) keeps its own progress
-            gen = _generator("cuda")
             saved = gen.graphsafe_get_state()
             gen.graphsafe_set_state(self.states_[name])
-            self._active = name
-            try:
-                yield
-            finally:
-                gen.graphsafe_set_state(saved)
-                self._active = outer
-            return
-        saved = _get_state(self.device_type)
-        if outer is not None:
-            self.states_[outer] = saved  # the enclosing fork's progress, read back below (it may be ``name``)
-        _set_state(self.device_type, self.states_[name])
+        else:  # copy state tensors, storing the enclosing fork's progress first (it may be ``name``)
+            saved = gen.get_state()
+            if outer is not None:
+                self.states_[outer] = saved
+            gen.set_state(self.states_[name])
         self._active = name
         try:
             yield
         finally:
-            self.states_[name] = _get_state(self.device_type)
-            _set_state(self.device_type, self.states_[outer] if outer is not None else saved)
+            if self.graph_safe:
+                gen.graphsafe_set_state(saved)
+            else:
+                self.states_[name] = gen.get_state()
+                gen.set_state(self.states_[outer] if outer is not None else saved)
             self._active = outer
 
 
@@ -182,15 +162,15 @@ def default_rng_tracker(device_type: Optional[str] = None) -> RNGStatesTracker:
 
 def model_parallel_manual_seed(seed: int, tp_rank: int, tracker: Optional[RNGStatesTracker] = None, *,
                                ep_rank: int = 0, device=None) -> RNGStatesTracker:
-    """Seed the tracker's device generator with ``seed`` (the data-parallel seed) and reset ``tracker`` with
-    ``"model-parallel-rng" = seed + 2718 + tp_rank`` and ``"expert-parallel-rng" = seed + 1024 + 100*ep_rank +
-    tp_rank`` (Megatron-core's ``model_parallel_cuda_manual_seed``).
+    """Seed the tracker's device generator with ``seed`` (the data-parallel seed: identical on the ranks of a tp
+    group, for e.g. dropout on replicated activations) and reset ``tracker`` with ``"model-parallel-rng" = seed +
+    2718 + tp_rank`` (different per tp rank, for dropout inside tp regions) and ``"expert-parallel-rng" = seed + 1024
+    + 100*ep_rank + tp_rank`` (Megatron-core's ``model_parallel_cuda_manual_seed`` and seeds).
 
     Which generator is seeded with ``seed``: only the one the tracker swaps, as Megatron seeds only the current
-    CUDA device's. ``device="cuda"``: ``torch.cuda.manual_seed(seed)`` (current device); the default CPU generator
-    is left alone (call ``torch.manual_seed`` yourself if you want it seeded too). ``device="cpu"``: the tracker's
-    generator *is* the default CPU generator, so that one is seeded (``torch.default_generator.manual_seed``);
-    CUDA generators are left alone.
+    CUDA device's. ``device="cuda"``: the current CUDA device's; the default CPU generator is left alone (call
+    ``torch.manual_seed`` yourself to seed it too). ``device="cpu"``: the default CPU generator; CUDA generators are
+    left alone.
 
     Args:
         seed: the data-parallel seed (the same on the ranks of a tp group).
@@ -209,10 +189,7 @@ def model_parallel_manual_seed(seed: int, tp_rank: int, tracker: Optional[RNGSta
         raise ValueError(f"the tracker swaps the {tracker.device_type} generator but device={device!r} "
                          f"({device_type}); pass device={tracker.device_type!r} or a tracker of that device")
     tracker.reset()
-    if device_type == "cuda":
-        torch.cuda.manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
+    _generator(device_type).manual_seed(seed)
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
     tracker.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + tp_rank)
     return tracker
@@ -228,12 +205,11 @@ class _RNGSnapshot:
     def __init__(self, tracker: Optional[RNGStatesTracker]):
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        self._tracker = tracker
-        self.tracker = tracker.get_states() if tracker is not None else None
-        self.active = tracker._active if tracker is not None else None
-        # graph-safe tracker: the CUDA state object installed now (an open fork's), re-installed by restore()
-        self.installed = (_generator("cuda").graphsafe_get_state()
-                          if tracker is not None and tracker.graph_safe else None)
+        self.tracker, self.installed = tracker, None
+        if tracker is not None:
+            self.states, self.active = tracker.get_states(), tracker._active
+            if tracker.graph_safe:  # the CUDA state object installed now (an open fork's), re-installed by restore()
+                self.installed = _generator("cuda").graphsafe_get_state()
 
     def restore(self, generators: bool = True) -> None:
         """Put the states back; ``generators=False``: the tracker's only (the caller restores CPU and CUDA)."""
@@ -243,84 +219,65 @@ class _RNGSnapshot:
             torch.set_rng_state(self.cpu)
             if self.cuda is not None:
                 torch.cuda.set_rng_state(self.cuda)
-        if self._tracker is not None:
-            self._tracker.set_states(self.tracker)
-            self._tracker._active = self.active
+        if self.tracker is not None:
+            self.tracker.set_states(self.states)
+            self.tracker._active = self.active
 
 
-def _autocast_state():
-    """``torch.autocast``'s state now (CPU, and CUDA when available), for the recompute to run under the same."""
-    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices], \
-        torch.is_autocast_cache_enabled()
+class _ForwardState:
+    """What a checkpoint's recompute replays of the forward: the RNG states, ``torch.autocast``'s state and the
+    forward-time scales of the delayed-scaling states the function used (the FP8 region's exit may have updated
+    them since). ``torch_state=False``: the tracker's states and the FP8 scales only, for ``torch.utils.checkpoint``,
+    which restores the CPU/CUDA generators and ``torch.autocast`` itself."""
 
-
-@contextlib.contextmanager
-def _autocast_as(state):
-    per_device, cache = state
-    with contextlib.ExitStack() as stack:
-        for device, enabled, dtype in per_device:
-            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
-        yield
-
-
-@contextlib.contextmanager
-def _record_fp8_states(ctx):
-    """Collect the scaling states a checkpointed function registers with the FP8 region ``ctx``."""
-    if ctx is None:
-        yield None
-        return
-    with ctx.recording() as used:
-        yield used
-
-
-class _FP8Recompute:
-    """Forward-time scales of the delayed-scaling states a checkpointed function used; the recompute runs with
-    them (the region's exit may have updated the scales since) and without recording amaxes."""
-
-    def __init__(self, ctx, used: Optional[dict]):
-        self.ctx = ctx
-        self.scales = [(st, st.scale.clone()) for st in (used or {}).values()]
+    def __init__(self, tracker: Optional[RNGStatesTracker], torch_state: bool = True):
+        self.rng, self.torch_state = _RNGSnapshot(tracker), torch_state
+        if torch_state:  # torch.autocast on the CPU, and on CUDA when available
+            devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+            self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+            self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.fp8_ctx, self.fp8_scales = get_fp8_context(), []
 
     @contextlib.contextmanager
-    def __call__(self):
-        current = [(st, st.scale.clone()) for st, _ in self.scales]
-        for st, scale in self.scales:
+    def record(self):
+        """Run the forward, collecting the scaling states it registers with the FP8 region, and their scales."""
+        if self.fp8_ctx is None:
+            yield
+            return
+        with self.fp8_ctx.recording() as used:
+            yield
+        self.fp8_scales = [(st, st.scale.clone()) for st in used.values()]
+
+    @contextlib.contextmanager
+    def replay(self):
+        """Run the recompute with the forward's RNG states and FP8 scales, recording no amaxes (each is counted
+        once, as in TransformerEngine's checkpoint), then put the current states back."""
+        now = _RNGSnapshot(self.rng.tracker)
+        self.rng.restore(self.torch_state)
+        current = [(st, st.scale.clone()) for st, _ in self.fp8_scales]
+        for st, scale in self.fp8_scales:
             st.scale.copy_(scale)
         try:
-            with recompute_context(self.ctx):
+            with recompute_context(self.fp8_ctx):
                 yield
         finally:
             for st, scale in current:
                 st.scale.copy_(scale)
+            now.restore(self.torch_state)
+
+    def recompute(self, function, *args, **kwargs):
+        """``function(*args, **kwargs)`` with grad enabled, under :meth:`replay` and the forward's autocast."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            for device, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.autocast_cache))
+            stack.enter_context(self.replay())
+            return function(*args, **kwargs)
 
 
 def _detach(args):
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            d = a.detach()
-            d.requires_grad_(a.requires_grad)
-            out.append(d)
-        else:
-            out.append(a)
-    return tuple(out)
-
-
-def _check_distributable(args, tp_group) -> None:
-    """Up-front checks of ``distribute_saved_activations=True`` (before the function runs)."""
-    if not args or not isinstance(args[0], torch.Tensor):
-        raise ValueError("distribute_saved_activations=True splits the first positional argument, which must be a "
-                         f"tensor; got {type(args[0]).__name__ if args else 'no arguments'}")
-    x = args[0]
-    if x._base is not None:
-        raise ValueError("distribute_saved_activations=True replaces the storage of args[0], which is a view here "
-                         "(its base would keep the full tensor alive); pass a tensor that is not a view, e.g. "
-                         "x.clone()")
-    size = get_group_size(tp_group)
-    if x.numel() % size != 0:
-        raise ValueError(f"distribute_saved_activations=True: args[0].numel()={x.numel()} is not divisible by the "
-                         f"tensor-parallel size {size}")
+    return tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 class _CheckpointFunction(torch.autograd.Function):
@@ -329,12 +286,9 @@ class _CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run_function, distribute, tp_group, tracker, kwargs, *args):
-        ctx.run_function, ctx.kwargs, ctx.rng = run_function, kwargs, _RNGSnapshot(tracker)
-        ctx.autocast = _autocast_state()
-        fp8_ctx = get_fp8_context()
-        with torch.no_grad(), _record_fp8_states(fp8_ctx) as used:
+        ctx.run_function, ctx.kwargs, ctx.state = run_function, kwargs, _ForwardState(tracker)
+        with torch.no_grad(), ctx.state.record():
             outputs = run_function(*args, **kwargs)
-        ctx.fp8 = _FP8Recompute(fp8_ctx, used)
         ctx.distribute, ctx.tp_group = distribute, tp_group
         if distribute:
             # Megatron's distribute_saved_activations: args[0] (the caller's tensor) keeps only this rank's 1-D
@@ -361,13 +315,7 @@ class _CheckpointFunction(torch.autograd.Function):
             saved[0] = full.detach().requires_grad_(saved[0].requires_grad)
         saved = iter(saved)
         args = _detach([next(saved) if t else nt for t, nt in zip(ctx.arg_is_tensor, ctx.non_tensors)])
-        now = _RNGSnapshot(ctx.rng._tracker)
-        ctx.rng.restore()
-        try:
-            with torch.enable_grad(), _autocast_as(ctx.autocast), ctx.fp8():
-                outputs = ctx.run_function(*args, **ctx.kwargs)
-        finally:
-            now.restore()
+        outputs = ctx.state.recompute(ctx.run_function, *args, **ctx.kwargs)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -385,8 +333,19 @@ def _checkpoint(function, distribute_saved_activations: bool, tracker, tp_group,
                              "(the reentrant checkpoint gives gradients to positional tensors only)")
     # without grad mode no backward comes to gather args[0] back: nothing is distributed (nor saved for backward)
     distribute = distribute_saved_activations and torch.is_grad_enabled()
-    if distribute:
-        _check_distributable(args, tp_group)
+    if distribute:  # checked before the function runs
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise ValueError("distribute_saved_activations=True splits the first positional argument, which must "
+                             f"be a tensor; got {type(args[0]).__name__ if args else 'no arguments'}")
+        x = args[0]
+        if x._base is not None:
+            raise ValueError("distribute_saved_activations=True replaces the storage of args[0], which is a view "
+                             "here (its base would keep the full tensor alive); pass a tensor that is not a view, "
+                             "e.g. x.clone()")
+        size = get_group_size(tp_group)
+        if x.numel() % size != 0:
+            raise ValueError(f"distribute_saved_activations=True: args[0].numel()={x.numel()} is not divisible by "
+                             f"the tensor-parallel size {size}")
     return _CheckpointFunction.apply(function, distribute, tp_group, tracker, kwargs, *args)
 
 
@@ -430,27 +389,20 @@ def checkpoint(function, distribute_saved_activations: bool, *args, rng_tracker:
 
 def te_checkpoint(function, *args, distribute_saved_activations: bool = False, get_rng_state_tracker=None,
                   tp_group=None, use_reentrant: bool = True, **kwargs):
-    """TransformerEngine's ``transformer_engine.pytorch.checkpoint(function, *args, **kwargs)``: activation
-    recomputation of ``function(*args, **kwargs)`` that keeps the FP8 scaling state consistent -- the recompute
-    runs with the forward's FP8 scales and records no amaxes (each is counted once, so amax histories and scales
-    equal those of the same steps without checkpointing); RNG states (CPU, CUDA, the tracker's) and the
-    ``torch.autocast`` state of the forward are restored for the recompute.
+    """TransformerEngine's ``transformer_engine.pytorch.checkpoint(function, *args, **kwargs)``: :func:`checkpoint`
+    of ``function(*args, **kwargs)``, with the same replay of RNG states, ``torch.autocast`` and FP8 scales.
 
     Args:
-        function: called as ``function(*args, **kwargs)``.
-        args: positional arguments; gradients flow to those that are tensors requiring grad.
-        distribute_saved_activations: with ``use_reentrant=True``, split the saved ``args[0]`` over ``tp_group``
-            as :func:`checkpoint` does; with ``use_reentrant=False`` it has no effect (a warning), as in TE.
+        distribute_saved_activations, tp_group: as in :func:`checkpoint` (``tp_group`` None: one rank, where TE
+            would take the world group); with ``use_reentrant=False`` ``distribute_saved_activations`` has no
+            effect (a warning), as in TE.
         get_rng_state_tracker: a callable returning the :class:`RNGStatesTracker` whose states ``function``
             forks (called once, at the forward), or None.
-        tp_group: the tensor-parallel group (None: one rank; TE would take the world group, fp8engine never
-            reads a global group).
-        use_reentrant: True: the reentrant autograd.Function (as :func:`checkpoint`; backward only through
+        use_reentrant: True: the reentrant autograd.Function of :func:`checkpoint` (backward only through
             ``.backward()``). False: ``torch.utils.checkpoint``'s non-reentrant checkpoint (works with
-            ``torch.autograd.grad``, keeps the inputs referenced instead of saving them), with the same RNG-tracker
-            and FP8 handling.
-        kwargs: passed to ``function`` in both runs; in the reentrant mode tensors that require grad are refused
-            (they would get no gradient).
+            ``torch.autograd.grad``, keeps the inputs referenced instead of saving them).
+        args, kwargs: passed to ``function`` in both runs; gradients flow to the positional tensors requiring grad.
+            With ``use_reentrant=True`` keyword tensors requiring grad are refused (they would get no gradient).
     Returns:
         what ``function`` returns.
     Raises:
@@ -462,34 +414,25 @@ def te_checkpoint(function, *args, distribute_saved_activations: bool = False, g
     if distribute_saved_activations:
         warnings.warn("te_checkpoint: distribute_saved_activations=True has no effect with use_reentrant=False "
                       "(the non-reentrant checkpoint saves no inputs of its own to distribute)", stacklevel=2)
-    holder = {}
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
-                                             context_fn=functools.partial(_non_reentrant_contexts, tracker, holder),
-                                             **kwargs)
+                                             context_fn=functools.partial(_non_reentrant_contexts, tracker), **kwargs)
 
 
-def _non_reentrant_contexts(tracker, holder):
-    """``context_fn`` of ``torch.utils.checkpoint``: torch restores CPU/CUDA RNG and autocast for the recompute;
-    these add the tracker's states and the FP8 scales (forward context records them, recompute context restores
-    them)."""
+def _non_reentrant_contexts(tracker):
+    """``context_fn`` of ``torch.utils.checkpoint`` (which restores CPU/CUDA RNG and autocast for the recompute):
+    the forward context records the tracker's states and the FP8 scales, the recompute context replays them."""
+    states = []
 
     @contextlib.contextmanager
     def forward():
-        holder["rng"] = _RNGSnapshot(tracker)
-        fp8_ctx = get_fp8_context()
-        with _record_fp8_states(fp8_ctx) as used:
+        states.append(_ForwardState(tracker, torch_state=False))
+        with states[0].record():
             yield
-        holder["fp8"] = _FP8Recompute(fp8_ctx, used)
 
     @contextlib.contextmanager
     def recompute():
-        now = _RNGSnapshot(tracker)
-        holder["rng"].restore(generators=False)
-        try:
-            with holder["fp8"]():
-                yield
-        finally:
-            now.restore(generators=False)
+        with states[0].replay():
+            yield
 
     return forward(), recompute()
 
@@ -533,12 +476,9 @@ class CheckpointWithoutOutput:
         self.inputs = self.recomputed = self.ctx = self.outputs = None
 
     def checkpoint(self, run_function, *args):
-        self.run_function = run_function
-        self.rng, self.autocast = _RNGSnapshot(self.rng_tracker), _autocast_state()
-        fp8_ctx = get_fp8_context()
-        with _record_fp8_states(fp8_ctx) as used:
+        self.run_function, self.state = run_function, _ForwardState(self.rng_tracker)
+        with self.state.record():
             outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
-        self.fp8 = _FP8Recompute(fp8_ctx, used)
         self.ctx.owner = self
         self.outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         return outputs
@@ -551,13 +491,7 @@ class CheckpointWithoutOutput:
             hook_tensor.register_hook(self._recompute)
 
     def _recompute(self, _grad) -> None:
-        now = _RNGSnapshot(self.rng_tracker)
-        self.rng.restore()
-        try:
-            with torch.enable_grad(), _autocast_as(self.autocast), self.fp8():
-                outputs = self.run_function(*self.inputs)
-        finally:
-            now.restore()
+        outputs = self.state.recompute(self.run_function, *self.inputs)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         with torch.no_grad():
             for out, new in zip(self.outputs, outputs):

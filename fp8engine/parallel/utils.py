@@ -68,11 +68,9 @@ def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group, new_buffer: b
     Raises:
         ValueError: ``numel`` is not divisible by the group size (Megatron floors and loses the remainder).
     """
-    size = get_group_size(group)
-    flat = tensor.reshape(-1)
-    part = divide(flat.numel(), size, "numel")
+    part = divide(tensor.numel(), get_group_size(group), "numel")
     start = get_group_rank(group) * part
-    chunk = flat[start:start + part]
+    chunk = tensor.reshape(-1)[start:start + part]
     return chunk.clone() if new_buffer else chunk
 
 
@@ -124,13 +122,10 @@ class VocabUtility:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The collectives of the model's forward and backward. Each returns a new tensor (or the input, reduced in place,
-# where the docstring says so) and, with ``async_op``, a handle whose ``wait()`` makes it valid.
-#
-# Under ``torch.compile`` they issue the functional collectives (``torch.distributed._functional_collectives``, what
-# DTensor traces to): the result is a new tensor that Dynamo and Inductor track. The in-place ``torch.distributed``
-# calls traced by the Dynamo of torch 2.11 lost the gradient of what flowed through them: inside an autograd function,
-# ``clone`` + ``dist.all_reduce`` gave a compiled vocab-parallel embedding a zero weight gradient (found on 2 gloo
-# ranks, torch 2.11.0, compiled vs eager; torch 2.13 traced it correctly). Eager mode keeps the in-place calls into
+# where the docstring says so) and, with ``async_op``, a handle whose ``wait()`` makes it valid. Under
+# ``torch.compile`` they issue the functional collectives (what DTensor traces to), whose new results Dynamo tracks:
+# the in-place ``torch.distributed`` calls traced by torch 2.11's Dynamo lost the gradient of what flowed through
+# them (a compiled vocab-parallel embedding got a zero weight gradient). Eager mode keeps the in-place calls into
 # preallocated outputs (no extra copy, async handles for overlap).
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -143,11 +138,6 @@ class _Done:
         return None
 
 
-def _check_op(op: str) -> None:
-    if op not in _REDUCE_OPS:
-        raise ValueError(f"reduction op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
-
-
 def all_reduce(x: torch.Tensor, group, op: str = "sum", async_op: bool = False):
     """All-reduce ``x`` (any shape) over ``group`` with ``op`` (``"sum"`` or ``"max"``).
 
@@ -155,7 +145,8 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum", async_op: bool = False):
     ``torch.compile`` the result is a new tensor. Use the returned tensor in both cases. Returns ``(result, work)``;
     ``work`` is None unless ``async_op`` (then ``result`` is valid after ``work.wait()``). Raises ValueError for
     another ``op``."""
-    _check_op(op)
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduction op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     if torch.compiler.is_compiling():
         return funcol.all_reduce(x, op, group), (_Done() if async_op else None)
     work = dist.all_reduce(x, op=_REDUCE_OPS[op], group=group, async_op=async_op)
