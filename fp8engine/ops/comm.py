@@ -41,22 +41,19 @@ class LinearComm(Protocol):
 
     def gather_input(self, x: torch.Tensor, quantizer: Optional[Quantizer], transpose: bool
                      ) -> tuple[Union[torch.Tensor, Float8Tensor], Optional[Union[torch.Tensor, Float8Tensor]]]:
-        """All-gather the sequence shard ``x [m, K]`` (high precision, no autograd) along dim 0.
+        """All-gather the sequence shard ``x [m, K]`` (high precision, no autograd) along dim 0: ``(total, shard)``.
 
-        Returns ``(total, shard)``. ``quantizer`` None: ``total [tp * m, K]`` in ``x.dtype`` and ``shard`` the
-        tensor backward re-gathers (``x``). Under FP8: ``total`` the FP8 tensor ``[tp * m, K]`` cast by ``quantizer``
-        (the GEMM's input role, per-tensor or block-scaled; delayed scaling records the amax of the whole tensor),
-        and either
-        ``shard`` the FP8 local shard that backward re-gathers (FP8 all-gather), or ``shard`` None when ``total``
-        holds its own transpose (made when ``transpose``) for wgrad."""
+        ``quantizer`` None: ``total [tp * m, K]`` in ``x.dtype``, ``shard`` = ``x`` (what backward re-gathers).
+        Under FP8: ``total`` the FP8 ``[tp * m, K]`` cast by ``quantizer`` (delayed scaling records the whole
+        tensor's amax), and ``shard`` the FP8 local shard that backward re-gathers, or None when ``total`` holds
+        its own transpose (made when ``transpose``) for wgrad."""
         ...
 
     def regather_input(self, shard: Union[torch.Tensor, Float8Tensor]
                        ) -> Callable[[], Union[torch.Tensor, Float8Tensor]]:
-        """Start all-gathering ``shard`` (what :meth:`gather_input` returned) again, asynchronously; the returned
-        ``finish()`` waits and gives the ``[tp * m, K]`` total (called after the dgrad GEMM was issued); for an FP8
-        shard, anything whose ``t_operand()`` is the total's wgrad operand (a block-scaled shard re-gathers only its
-        re-tiled transpose)."""
+        """Start all-gathering ``shard`` (from :meth:`gather_input`) again, asynchronously; the returned ``finish()``
+        waits and gives the ``[tp * m, K]`` total (for an FP8 shard: anything whose ``t_operand()`` is the total's
+        wgrad operand)."""
         ...
 
     def start_dgrad_comm(self, dx: torch.Tensor) -> tuple[torch.Tensor, Optional[object]]:
@@ -71,6 +68,5 @@ class LinearComm(Protocol):
         ...
 
     def gather_output_grad(self, dy: torch.Tensor) -> torch.Tensor:
-        """Row parallel with sequence parallelism: all-gather the output gradient ``dy [M / tp, N]`` to
-        ``[M, N]``. Otherwise ``dy``."""
+        """Row parallel with sequence parallelism: all-gather ``dy [M / tp, N]`` to ``[M, N]``. Otherwise ``dy``."""
         ...

@@ -1,6 +1,5 @@
 """FP8 GEMM through ``torch._scaled_mm`` (CPU, compiled code) or, in eager CUDA code, the same cuBLASLt call made
-directly (:func:`fp8engine.kernels.cublaslt.gemm`, planned once per configuration: a fraction of the host cost), with
-the layout rules handled.
+directly (:func:`fp8engine.kernels.cublaslt.gemm`, planned once per configuration: less host time).
 
 ``fp8_gemm(a, b)`` computes ``a @ b.T`` (the "TN" form every Linear GEMM reduces to):
 - fprop  ``y  = x  @ w.T``:  a = x  ``[M, K]``,    b = w   ``[N, K]``
@@ -24,8 +23,7 @@ __all__ = ["fp8_gemm", "fp8_fprop", "fp8_gemm_bias_gelu", "fp8_mm", "fp8_mm_accu
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ALIGN = 16  # cuBLASLt FP8 requires K and N to be multiples of 16 (torch._scaled_mm checks it on CUDA)
-#: Eager CUDA GEMMs call cuBLASLt directly (:func:`fp8engine.kernels.cublaslt.gemm`: the call torch._scaled_mm
-#: makes, planned once per configuration); ``FP8ENGINE_CUBLASLT_GEMM=0`` (read at import) calls torch._scaled_mm.
+#: Eager CUDA GEMMs call cuBLASLt directly; ``FP8ENGINE_CUBLASLT_GEMM=0`` (read at import) calls torch._scaled_mm.
 CUBLASLT_GEMM = os.environ.get("FP8ENGINE_CUBLASLT_GEMM", "1") != "0"
 
 
@@ -63,8 +61,8 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
         bias: optional ``[N]``, added in the GEMM epilogue when its dtype is ``out_dtype`` (bf16/fp16), else after.
         use_fast_accum: cuBLASLt fast accumulation (TransformerEngine uses it for fprop only).
         pad_inner: zero-pad K up to a multiple of 16 (used for wgrad, where K is the token count).
-        kernels: the operands' backend (``Float8Tensor.kernels``): True calls cuBLASLt directly on CUDA (planned
-            once per configuration; ``FP8ENGINE_CUBLASLT_GEMM=0`` turns it off), False ``torch._scaled_mm``.
+        kernels: the operands' backend (``Float8Tensor.kernels``): True calls cuBLASLt directly on CUDA (unless
+            :data:`CUBLASLT_GEMM` is off), False ``torch._scaled_mm``.
     Raises:
         TypeError: non-FP8 operands, or E5M2 x E5M2.
         ValueError: K or N not a multiple of 16 (and ``pad_inner`` not set for K).
@@ -84,7 +82,7 @@ def fp8_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_
         raise ValueError(f"FP8 GEMM output dim N={n} is not a multiple of 16; pad the feature dim to a multiple of 16")
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
     out = None
-    if kernels and CUBLASLT_GEMM and a.is_cuda:  # eager CUDA: torch._scaled_mm's cuBLASLt call, planned once
+    if kernels and CUBLASLT_GEMM and a.is_cuda:
         out = cublaslt.gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias if fused_bias else None, use_fast_accum)
     if out is None:  # CPU, compiled code, or a configuration the direct call declined
         # 1-element scales go in as they are: _scaled_mm takes numel() == 1 as tensor-wise scaling (a reshape to
@@ -101,13 +99,11 @@ def fp8_mm_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     """``out += (a * a_scale_inv) @ (b * b_scale_inv).T`` into a float32 ``out [M, N]`` (``fuse_wgrad_accumulation``).
 
     With ``kernels`` on CUDA the GEMM accumulates into ``out`` itself (cuBLASLt with beta = 1,
-    :mod:`fp8engine.kernels.cublaslt`). Without, on CPU, or when ``out`` is not contiguous or an operand is not 16-byte aligned (cuBLASLt's FP8 kernels refuse a
-    4-byte-aligned output: status 15), it is :func:`fp8_mm` into float32 plus ``out.add_``. Both add the same fp32
-    GEMM result to ``out`` (bit-identical on H200 in ``tests/ops/test_gemm_accumulate.py``, up to the algorithm
-    cuBLASLt picks). Code traced by ``torch.compile`` on CUDA calls the custom op
-    :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8` instead (picked by
-    :func:`fp8engine.ops.linear.fp8_wgrad_accumulate`), which runs this function (mutating ``out`` in place); traced
-    here, it runs the unfused ``fp8_mm`` + ``add_``.
+    :mod:`fp8engine.kernels.cublaslt`); otherwise, or when ``out`` is not contiguous or an operand is not 16-byte
+    aligned (cuBLASLt's FP8 kernels refuse it: status 15), :func:`fp8_mm` into float32 plus ``out.add_``: the same
+    fp32 GEMM result added (``tests/ops/test_gemm_accumulate.py``). Traced by ``torch.compile`` on CUDA, the custom
+    op :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8` runs this function instead
+    (:func:`fp8engine.ops.linear.fp8_wgrad_accumulate` picks it).
     Operands and errors as :func:`fp8_mm` (``a [M, K]``, ``b [N, K]`` FP8); also ``TypeError`` when ``out`` is not
     float32 and ``ValueError`` when it is not shaped ``[M, N]``.
     """
@@ -151,33 +147,28 @@ def fp8_gemm_bias_gelu(a: Float8Tensor, b: Float8Tensor, bias: torch.Tensor, out
     """fc1 fprop and GELU in one cuBLASLt GEMM (``GELU_AUX_BIAS`` epilogue, fast accumulation, as fprop):
     ``h = a @ b.T + bias`` and ``gelu_tanh(h)`` written in FP8 with ``scale`` (delayed scaling), ``amax_out``
     max-accumulated with ``max |gelu(h)|``. Returns ``(h [M, N] in out_dtype, gelu(h) as Float8Tensor [M, N])``,
-    or None where this path cannot run -- CPU, no cuBLASLt, ``out_dtype`` not bf16/fp16, a non-contiguous or not
-    16-byte aligned operand, dims not multiples of 16, or a GPU whose cuBLASLt has no such kernel -- and the caller
-    runs :func:`fp8_gemm` plus the activation kernel instead (also for M = 0). Callers on the kernel backend call
-    it (``Quantizer.kernels``).
+    or None where this path cannot run -- CPU, no cuBLASLt, M = 0, ``out_dtype`` not bf16/fp16, a non-contiguous or
+    not 16-byte aligned operand, dims not multiples of 16, or a GPU whose cuBLASLt has no such kernel -- and the
+    caller runs :func:`fp8_gemm` plus the activation kernel instead. Under ``torch.compile`` it runs inside the
+    custom op :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8`, which takes that fallback itself.
 
-    Numerics: GELU is applied by cuBLASLt to the fp32 ``h`` (the unfused path applies it to ``h`` rounded to
-    ``out_dtype``), so about 2 % of the FP8 bytes differ by one step (H200, 2026-11-21,
-    ``python tools/gelu_epilogue_variants.py@d6af129``); ``h`` itself is the same. ``scale_inv`` is ``1 / scale``
-    (IEEE division, as the cast kernels write it).
+    Numerics: cuBLASLt applies GELU to the fp32 ``h`` (the unfused path to ``h`` rounded to ``out_dtype``), so about
+    2 % of the FP8 bytes differ by one step (H200, ``tools/gelu_epilogue_variants.py@d6af129``); ``h`` is the same.
+    ``scale_inv`` is ``1 / scale`` (IEEE division, as the cast kernels write it).
     Args: a ``[M, K]`` / b ``[N, K]`` Float8Tensors (data viewed as 2-D); bias ``[N]``; scale / amax_out
     1-element float32 (``amax_out`` None: amax not recorded).
-    Under ``torch.compile`` this runs inside the custom op :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8`, which
-    takes the fallback itself where this returns None.
     """
     a2, b2 = _as_2d(a.data), _as_2d(b.data)
     if not (a2.is_cuda and a2.shape[0] and out_dtype in (torch.bfloat16, torch.float16)
             and cublaslt.available()):
         return None
     bias = bias.to(out_dtype)
-    if a2.shape[1] % _ALIGN or b2.shape[0] % _ALIGN or not (a2.is_contiguous() and b2.is_contiguous()
-                                                             and bias.is_contiguous()):
+    if (a2.shape[1] % _ALIGN or b2.shape[0] % _ALIGN or not (a2.is_contiguous() and b2.is_contiguous()
+                                                              and bias.is_contiguous())
+            or any(t.data_ptr() % 16 for t in (a2, b2, bias, a.scale_inv, b.scale_inv))):
         return None
-    if any(t.data_ptr() % 16 for t in (a2, b2, bias, a.scale_inv, b.scale_inv)):
-        return None
-    # cuBLASLt reads scalars and vectors through 16-byte aligned pointers only (a scale view 4 bytes into a shared
-    # buffer is refused with status 15, NOT_SUPPORTED; H200, cuBLAS 13): the state's scale row is copied when it is
-    # not aligned
+    # cuBLASLt reads scalars and vectors through 16-byte aligned pointers only (else status 15, NOT_SUPPORTED): the
+    # state's scale row (a view 4 bytes into a shared buffer) is copied when it is not aligned
     out_scale = scale if scale.data_ptr() % 16 == 0 else scale.clone()
     m, n = a2.shape[0], b2.shape[0]
     h = torch.empty(m, n, dtype=out_dtype, device=a2.device)

@@ -4,31 +4,20 @@
 - dgrad: ``dx = dy @ w``     (E5M2 grad x E4M3 weight)
 - wgrad: ``dw = dy.T @ x``   (E5M2 grad x E4M3 input)
 
-Operands are cast by the GEMM's :class:`~fp8engine.fp8.quantizer.LinearQuantizers`. Backward casts ``dy`` once with
-``Quantizer.quantize_dbias`` (on CUDA the ``cast_transpose_dbias`` kernel:
-both FP8 layouts and the bias gradient in one pass) and runs the two GEMMs in :func:`dgrad_wgrad`, which the fused
-MLP op (``fp8engine.ops.mlp``) and the QKV op (``fp8engine.ops.qkv``) share.
+Operands are cast by the GEMM's :class:`~fp8engine.fp8.quantizer.LinearQuantizers`; backward casts ``dy`` once with
+``Quantizer.quantize_dbias`` (on CUDA the ``cast_transpose_dbias`` kernel: both FP8 layouts and the bias gradient
+in one pass) and runs the two GEMMs in :func:`dgrad_wgrad`, which the fused MLP and QKV ops share.
 
 One op for every recipe: the quantizers return FP8 tensors that carry their own GEMMs (``x.fprop(w)``,
 ``dy.dgrad(w_t)``, ``dy.wgrad(x_t)``, ``dy.wgrad_into(x_t, main_grad)``, with ``t = x.t_operand()`` what backward
 keeps of an operand's transpose). Per-tensor scaling (delayed, current): :class:`Float8Tensor`, whose GEMMs are
-attached below (``torch._scaled_mm`` / cuBLASLt, :mod:`fp8engine.ops.gemm`). Block scaling (``Float8BlockScaling``:
-:class:`~fp8engine.fp8.block_quantizer.BlockQuantizer`): :class:`~fp8engine.fp8.block_tensor.Float8BlockTensor`,
-1 x 128-tiled inputs and gradients (token rows zero-padded to 128 by the cast, re-tiled transposes written with the
-bits) and 128 x 128-blocked weights, whose GEMMs are :mod:`fp8engine.ops.block_gemm`'s (K and N multiples of 128,
-bf16 / fp32 operands). :func:`block_linear` is the block-scaled linear without a module.
+attached below (:mod:`fp8engine.ops.gemm`). Block scaling (``Float8BlockScaling``): 1 x 128-tiled inputs and
+gradients and 128 x 128-blocked weights (:class:`~fp8engine.fp8.block_tensor.Float8BlockTensor`), whose GEMMs are
+:mod:`fp8engine.ops.block_gemm`'s (K and N multiples of 128, bf16 / fp32 operands).
 
-Tensor parallelism (``comm``, a :class:`~fp8engine.ops.comm.LinearComm`; None: no communication). Per rank:
-
-- column parallel, ``weight [N/tp, K]``: input ``[s, b, K]``, or ``[s/tp, b, K]`` with sequence parallelism,
-  all-gathered along dim 0 before fprop (FP8 bytes under FP8: the shard is cast with the tp-shared scale, see
-  :mod:`fp8engine.parallel.fp8_comm`); output ``[s, b, N/tp]``. Backward: the re-gather of the input shard is
-  started before the dgrad GEMM and waited for before wgrad; the dgrad's all-reduce (reduce-scatter to
-  ``[s/tp, b, K]`` with sequence parallelism) is started after the dgrad GEMM and waited for after wgrad
-  (Megatron-core's async dgrad communication, overlapped with the wgrad GEMM).
-- row parallel, ``weight [N, K/tp]``: input ``[s, b, K/tp]``; fprop's partial output is all-reduced (reduce-
-  scattered to ``[s/tp, b, N]`` with sequence parallelism), then the bias ``[N]`` is added. Backward all-gathers
-  the output gradient (sequence parallelism) before dgrad/wgrad; the bias gradient is this rank's rows' sum.
+Tensor parallelism: ``comm``, a :class:`~fp8engine.ops.comm.LinearComm` (shapes per rank and where each collective
+runs: :mod:`fp8engine.ops.comm`); None: no communication. The dgrad communication is started after the dgrad GEMM
+and waited for after wgrad (Megatron-core's async dgrad communication).
 
 Without quantizers (:func:`linear` with ``quantizers=None``, used by the tensor-parallel layers outside FP8 regions)
 the same op runs the three GEMMs as plain matmuls in the input's dtype, with the same communication.
@@ -76,10 +65,9 @@ def main_grad_of(weight: torch.Parameter) -> torch.Tensor:
 def fp8_wgrad_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
                          out: torch.Tensor, kernels: bool = False) -> None:
     """``out += (a * a_scale_inv) @ (b * b_scale_inv).T``, a wgrad ``[N, K]`` accumulated into fp32 ``main_grad``
-    (FP8 ``a [N, M]``, ``b [K, M]``, the token dim ``M`` zero-padded to 16): :func:`fp8_mm_accumulate` (cuBLASLt
-    with beta = 1 on CUDA) in eager code; traced by ``torch.compile`` on CUDA, its custom op
-    :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8` (Dynamo cannot trace the ctypes call). Errors as
-    :func:`fp8_mm_accumulate`."""
+    (FP8 ``a [N, M]``, ``b [K, M]``, ``M`` zero-padded to 16): :func:`fp8_mm_accumulate`, or traced by
+    ``torch.compile`` on CUDA its custom op :func:`~fp8engine.ops.gemm_ops.mm_accumulate_fp8` (Dynamo cannot trace
+    the ctypes call). Errors as :func:`fp8_mm_accumulate`."""
     if compiled_gemm_ops(out):
         mm_accumulate_fp8(a, a_scale_inv, b, b_scale_inv, out, True)
     else:
@@ -98,8 +86,8 @@ def _wgrad_into(dy: Float8Tensor, x_t: tuple, out: torch.Tensor) -> None:
     fp8_wgrad_accumulate(dy.transpose_2d(), dy.scale_inv, x_t[0], x_t[1], out, dy.kernels)
 
 
-# The per-tensor GEMMs of a linear layer (module docstring; the block-scaled ones: fp8engine.ops.block_gemm):
-# fprop y = x @ w.T + b, dgrad dx = dy @ w (w_t = w.t_operand()), wgrad dw = dy.T @ x (x_t = x.t_operand())
+# The per-tensor GEMMs (module docstring): fprop y = x @ w.T + b, dgrad dx = dy @ w (w_t = w.t_operand()),
+# wgrad dw = dy.T @ x (x_t = x.t_operand())
 Float8Tensor.fprop, Float8Tensor.dgrad, Float8Tensor.wgrad, Float8Tensor.wgrad_into = (fp8_fprop, _dgrad, _wgrad,
                                                                                       _wgrad_into)
 
@@ -135,8 +123,7 @@ class _FP8Linear(torch.autograd.Function):
                 fuse_wgrad: bool, comm: Optional[LinearComm] = None, x_shard=None):
         row = comm is not None and comm.reduces_output
         needs_dw = ctx.needs_input_grad[1] or fuse_wgrad
-        ctx.grad_quantizer, ctx.fuse_wgrad, ctx.comm = grad_quantizer, fuse_wgrad, comm
-        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        ctx.grad_quantizer, ctx.fuse_wgrad, ctx.comm, ctx.x_shape = grad_quantizer, fuse_wgrad, comm, x.shape
         gemm_bias = None if bias is None or row else bias
         if grad_quantizer is None:  # high precision: keep x_total, or the shard to re-gather
             y = F.linear(x_total, weight, gemm_bias)
@@ -145,9 +132,7 @@ class _FP8Linear(torch.autograd.Function):
         else:
             ctx.x_shard = x_shard if needs_dw else None
             y = x_total.fprop(w_fp8, x.dtype, gemm_bias)
-            ctx.save_for_backward(weight)
-            # Backward needs only the transposed layouts (dgrad: W^T, wgrad: X^T); keep those, not the row-major
-            # bits (or only the FP8 input shard, re-gathered in backward).
+            ctx.save_for_backward(weight)  # of x and w only the transposes backward needs (or the FP8 shard)
             ctx.x_t = x_total.t_operand() if needs_dw and x_shard is None else None
             ctx.w_t = w_fp8.t_operand() if ctx.needs_input_grad[0] else None
         if row:  # the partial sums over the ranks, then the (unsharded) bias
@@ -220,18 +205,14 @@ def dgrad_wgrad(dy_fp8: Float8Tensor, w_t: Optional[tuple], x_t: Optional[tuple]
                 fuse_wgrad: bool, *, comm: Optional[LinearComm] = None,
                 x_shard: Optional[Float8Tensor] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The two backward GEMMs of a linear layer given its FP8 output gradient ``dy_fp8 [M, N]`` (either FP8 tensor
-    type: the GEMMs are its methods, module docstring).
+    type: the GEMMs are its methods). Returns ``(dx or None, dw or None)``:
 
-    - dgrad ``dx = dy @ w`` ``[M, K]`` in ``dy_fp8.dtype``, when ``w_t`` (``w_fp8.t_operand()``: per-tensor
-      ``(W^T data [K, N], scale_inv)``) is given;
-      with ``comm`` its communication (:meth:`LinearComm.start_dgrad_comm`: column parallel, all-reduce or
-      reduce-scatter to ``[M / tp, K]``) is started right after the GEMM and waited for after wgrad;
-    - wgrad ``dw = dy.T @ x`` ``[N, K]`` (token dim zero-padded to a multiple of 16), when
-      ``x_t`` (``x_fp8.t_operand()``) is given, or ``x_shard`` (an FP8 sequence shard ``[M / tp, K]``
-      whose all-gather with ``comm`` is started before the dgrad GEMM): in ``weight.dtype``, or with
-      ``fuse_wgrad`` in fp32 accumulated into ``weight.main_grad`` by the GEMM itself (:func:`fp8_mm_accumulate`:
-      cuBLASLt with beta = 1 on CUDA), then returned as None.
-    Returns ``(dx or None, dw or None)``.
+    - dgrad ``dx = dy @ w`` ``[M, K]`` in ``dy_fp8.dtype`` when ``w_t`` (``w_fp8.t_operand()``; per-tensor
+      ``(W^T data [K, N], scale_inv)``) is given; its ``comm`` (:meth:`LinearComm.start_dgrad_comm`) is started
+      after the GEMM and waited for after wgrad;
+    - wgrad ``dw = dy.T @ x`` ``[N, K]`` (tokens zero-padded to 16) when ``x_t`` (``x_fp8.t_operand()``) is given,
+      or ``x_shard`` (an FP8 sequence shard ``[M / tp, K]`` whose re-gather is started before the dgrad GEMM): in
+      ``weight.dtype``, or with ``fuse_wgrad`` accumulated in fp32 into ``weight.main_grad`` by the GEMM (then None).
     """
     finish = comm.regather_input(x_shard) if x_shard is not None else None
     dx = dw = work = None
@@ -294,7 +275,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             FP8: K and N multiples of 16 (of 128 under block scaling, whose operands are bf16 / fp32).
         quantizers: the GEMM's :class:`LinearQuantizers` (``FP8Module.fp8_begin()``), per-tensor or block-scaled
             (module docstring); None: plain matmuls.
-        comm: a :class:`~fp8engine.ops.comm.LinearComm` (module docstring), or None.
+        comm: a :class:`~fp8engine.ops.comm.LinearComm`, or None.
         w_fp8: an already cast weight (FP8 weight caching across micro-batches); cast now when None.
         x_fp8: an already cast input (e.g. written by a fused norm kernel); cast now when None.
         fuse_wgrad: accumulate wgrad into ``weight.main_grad`` (fp32); ``weight.grad`` stays None.

@@ -3,32 +3,25 @@
 ``_FP8MLP`` is organised around the six GEMMs (TransformerEngine's names):
 
 - forward:  fc1 fprop ``h = x @ W1.T + b1`` -> activation writing fc2's FP8 input ``a`` -> fc2 fprop
-  ``y = a @ W2.T + b2`` (GELU on a GPU: fc1's GEMM writes ``a`` itself through cuBLASLt's GELU epilogue,
-  :func:`fc1_fprop_act`);
+  ``y = a @ W2.T + b2`` (GELU on a GPU: fc1's GEMM may write ``a`` itself, :func:`fc1_fprop_act`);
 - backward: cast ``dy`` (with fc2's dbias) -> fc2 dgrad ``da = dy @ W2`` -> fc2 wgrad ``dW2 = dy.T @ a`` ->
   activation backward cast to FP8 (with fc1's dbias) -> fc1 dgrad ``dx = dh @ W1`` -> fc1 wgrad ``dW1 = dh.T @ x``.
 
 Tensor parallelism (Megatron-LM's MLP): fc1 is column parallel, fc2 row parallel, each with its own
 :class:`~fp8engine.ops.comm.LinearComm` (``fc1_comm``, ``fc2_comm``; None: no communication), called where
-:func:`fp8engine.ops.linear.linear` calls them: fc1's input all-gather before fc1 fprop (sequence parallel, FP8
-bytes), fc2's output reduction after fc2 fprop (then b2 is added), the all-gather of ``dy`` first in backward
-(sequence parallel), fc1's dgrad communication started after the fc1 dgrad GEMM and waited for after fc1 wgrad,
-and the re-gather of fc1's FP8 input shard started before that dgrad GEMM.
+:func:`fp8engine.ops.linear.linear` calls them.
 
 It keeps for backward only x^T (or, sequence parallel, this rank's FP8 shard of x) and W1^T (FP8), the
 pre-activation ``h`` (high precision, for the activation backward), a^T and W2^T (FP8). The elementwise passes
-run the backend the quantizers carry (``Quantizer.kernels``, chosen by ``get_quantizers``): the Triton kernels of
-``fp8engine.kernels.activation`` / ``.cast`` (activation forward writing FP8 directly, activation backward +
-cast-transpose + dbias in one pass, ``cast_transpose_dbias`` for ``dy``), elsewhere
-:func:`act_fwd` / :func:`act_bwd` and the torch casts -- on CPU exactly the ops of the unfused composition
-``fp8_linear -> activation_cast -> fp8_linear`` (kept as :func:`_unfused_fp8_mlp`), so both give the same bits.
+run the backend the quantizers carry (``Quantizer.kernels``): the Triton kernels of ``fp8engine.kernels.activation``
+/ ``.cast`` (activation forward writing FP8 directly, activation backward + cast-transpose + dbias in one pass),
+elsewhere :func:`act_fwd` / :func:`act_bwd` and the torch casts -- on CPU exactly the ops of the unfused
+composition ``fp8_linear -> activation_cast -> fp8_linear`` (:func:`_unfused_fp8_mlp`), so both give the same bits.
 
 Block scaling (``Float8BlockScaling``): the same op with :class:`~fp8engine.fp8.block_quantizer.BlockQuantizer`
-objects, whose FP8 tensors carry the block-scaled GEMMs (:mod:`fp8engine.ops.linear`) and whose fused casts replace
-the activation kernels on the kernel path: the activation writes fc2's 1 x 128-tiled input and its re-tiled
-transpose, the activation backward fc1's gradient with its transpose and dbias
-(:mod:`fp8engine.kernels.block_activation`); the token rows are zero-padded to 128 by the casts. Elsewhere the
-torch activation and the quantizer's cast, as above.
+objects, whose FP8 tensors carry the block-scaled GEMMs and whose fused casts replace the activation kernels on the
+kernel path (:mod:`fp8engine.kernels.block_activation`: fc2's 1 x 128-tiled input, fc1's gradient, each with its
+re-tiled transpose; token rows zero-padded to 128).
 
 ``_ActCast`` (the activation alone) saves only its *input*; its FP8 output goes to the next GEMM as ``x_fp8``.
 
@@ -90,9 +83,7 @@ class _ActCast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kind, quantizer, transpose):
         y = act_fwd(x, kind)
-        y_fp8 = None
-        if quantizer is not None:
-            y_fp8 = quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose)
+        y_fp8 = None if quantizer is None else quantizer.quantize(y.reshape(-1, y.shape[-1]), transpose=transpose)
         ctx.save_for_backward(x)
         ctx.kind = kind
         return y, y_fp8
@@ -135,15 +126,12 @@ def act_fwd_cast(h: torch.Tensor, kind: str, quantizer: Quantizer, transpose: bo
     its transposed copy when ``transpose``; the high-precision activation is not returned.
 
     Kernels, delayed scaling: the activation kernel writes FP8 directly (the quantizer's scale, amax into its
-    history slot); the transpose is then an FP8 byte copy, made by the first ``transpose_2d()`` call. Current scaling
-    needs the amax first: the activation kernel writes high precision and the amax of what it wrote, then the
-    cast-transpose (scale derived from that amax on the device). Traced by ``torch.compile`` on CUDA: the same kernels
-    as custom ops (:func:`~fp8engine.ops.kernel_ops.act_fwd_fp8`; current scaling
-    :func:`~fp8engine.ops.kernel_ops.act_fwd_amax` then :func:`~fp8engine.ops.kernel_ops.cast_fp8`).
-    Torch: :func:`act_fwd` then ``quantizer.quantize``.
+    history slot); the transpose is left to the first ``transpose_2d()`` call. Current scaling: the kernel writes
+    high precision and the amax of what it wrote, then the cast-transpose. Traced by ``torch.compile`` on CUDA: the
+    same kernels as custom ops (:mod:`fp8engine.ops.kernel_ops`). Torch: :func:`act_fwd` then ``quantizer.quantize``.
     """
     op_args = _compiled_op_args(h, quantizer)
-    if op_args is not None:  # traced by torch.compile: our kernels as opaque ops (fp8engine.ops.kernel_ops)
+    if op_args is not None:  # traced by torch.compile: our kernels as opaque ops
         scale, amax = op_args
         if scale is None:  # current scaling: as the kernel path below (the cast: a custom op too)
             return quantizer.quantize(act_fwd_amax(h.contiguous(), kind, amax), transpose=transpose, amax=amax)
@@ -177,14 +165,12 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
     ``transpose`` and its column sums when ``dbias``: ``(dh_fp8, dbias [D] in da.dtype or None)``.
 
     Kernels, delayed scaling: one ``*_bwd_cast_transpose`` pass (both FP8 layouts, fp32-accumulated dbias).
-    Current scaling: its high-precision variant (dh, dbias and the amax of the dh written), then the cast-transpose
-    (dbias is the activation kernel's: no second column sum). Traced by ``torch.compile`` on CUDA: the same kernels
-    as custom ops (:func:`~fp8engine.ops.kernel_ops.act_bwd_fp8`; current scaling
-    :func:`~fp8engine.ops.kernel_ops.act_bwd_dbias_amax` then :func:`~fp8engine.ops.kernel_ops.cast_fp8`).
+    Current scaling: its high-precision variant (dh, dbias and the amax of the dh written), then the cast-transpose.
+    Traced by ``torch.compile`` on CUDA: the same kernels as custom ops (:mod:`fp8engine.ops.kernel_ops`).
     Torch: :func:`act_bwd` then ``quantizer.quantize_dbias``.
     """
     op_args = _compiled_op_args(h, quantizer)
-    if op_args is not None:  # traced by torch.compile: our kernels as opaque ops (fp8engine.ops.kernel_ops)
+    if op_args is not None:  # traced by torch.compile: our kernels as opaque ops
         scale, amax = op_args
         if scale is None:  # current scaling: as the kernel path below (the cast: a custom op too)
             dh, db = act_bwd_dbias_amax(da.contiguous(), h.contiguous(), kind, amax)
@@ -212,13 +198,9 @@ def act_bwd_cast(da: torch.Tensor, h: torch.Tensor, kind: str, quantizer: Quanti
 
 
 #: fc1 outputs (tokens x F) with at least this many elements take the GELU epilogue by default
-#: (``gelu_epilogue=None``), smaller ones the GEMM + the activation kernel. Why: the epilogue saves one pass over
-#: ``h`` on the GPU, which pays only at the largest layers -- the performance guide's layer (8192 x 16384 = 2^27
-#: elements): 11.21 against 11.60 ms per step (H200, docs/benchmarks.md), equal on an H100 (11.18 / 11.17); the 1b
-#: layer (2^26): 4.16 against 4.07 ms (no gain) -- while its path issues more host work per call, about 80 host us
-#: in the replayed layer step at ``[128, 1, 256]``, where the step's time is the host's: the cuBLASLt call from Python
-#: 60 against a ``_scaled_mm``'s 48, a copy of the unaligned scale 30, the amax max-accumulate 20, scale_inv 14, plus
-#: a separate transpose (H100, ``python tools/replay_lines.py``, commit c4f1f89, 2026-11-26).
+#: (``gelu_epilogue=None``), smaller ones the GEMM + the activation kernel. Chosen from docs/benchmarks.md: the
+#: epilogue saves one pass over ``h`` on the GPU, which pays only at the largest layers (2^27 elements: 11.21 against
+#: 11.60 ms per step on H200; 2^26: no gain), while it costs about 80 us more host work per call.
 GELU_EPILOGUE_MIN_ELEMENTS = 1 << 27
 
 
@@ -235,11 +217,10 @@ def fc1_fprop_act(x_fp8: Float8Tensor, w1_fp8: Float8Tensor, b1: Optional[torch.
     (by ``quantizer``, fc2's input role; its transpose when ``transpose``): ``(h, a_fp8)``.
 
     With the epilogue asked for (``gelu_epilogue``: True; None: by the output's size, :func:`use_gelu_epilogue`),
-    GELU, a bias, delayed scaling and a GPU whose cuBLASLt has the kernel, one GEMM with
-    the GELU epilogue writes both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`); otherwise fc1's fprop
-    then :func:`act_fwd_cast`. Traced by ``torch.compile`` on CUDA under the same conditions: that GEMM as the
-    custom op :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8` (amax into the state's history slot, as
-    :func:`act_fwd_cast`'s op), which falls back inside itself where cuBLASLt cannot run the epilogue.
+    GELU, a bias, delayed scaling and a GPU whose cuBLASLt has the kernel, one GEMM with the GELU epilogue writes
+    both (:func:`fp8engine.ops.gemm.fp8_gemm_bias_gelu`; traced by ``torch.compile`` on CUDA, the custom op
+    :func:`~fp8engine.ops.gemm_ops.gemm_bias_gelu_fp8`, which falls back inside itself); otherwise fc1's fprop then
+    :func:`act_fwd_cast`.
     """
     # not while FP8 stats record: they need the high-precision activation
     if (kind == "gelu" and b1 is not None and quantizer.delayed and quantizer.stats is None
@@ -270,8 +251,7 @@ class _FP8MLP(torch.autograd.Function):
                 gelu_epilogue: Optional[bool],
                 fc1_comm: Optional[LinearComm] = None, fc2_comm: Optional[LinearComm] = None,
                 x_shard: Optional[Float8Tensor] = None):
-        need_x, need_w1, need_b1, need_w2 = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                                             ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+        need_x, need_w1, need_b1, need_w2 = ctx.needs_input_grad[:4]
         need_dw1, need_dw2 = need_w1 or fuse_wgrad, need_w2 or fuse_wgrad
         need_dh = need_x or need_dw1 or need_b1  # anything upstream of the activation
         # fc1 fprop h = x @ W1.T + b1 and the activation, written in FP8 for fc2 (with a^T for fc2's wgrad)
@@ -297,12 +277,12 @@ class _FP8MLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         w1, w2, h = ctx.saved_tensors
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_b1, need_b2 = ctx.needs_input_grad[2], ctx.needs_input_grad[4]
         fuse, (fc1_comm, fc2_comm) = ctx.fuse_wgrad, ctx.comms
         dy2d, db2 = dy.reshape(-1, dy.shape[-1]), None
         if fc2_comm is not None and fc2_comm.reduces_output:
             if need_b2:  # b2 was added to this rank's rows after the reduction
-                db2 = dy2d.sum(0, dtype=torch.float32).to(dy.dtype)
+                db2 = dy2d.sum(0, dtype=torch.float32)  # (to dy.dtype below)
             need_b2 = False
             dy2d = fc2_comm.gather_output_grad(dy2d)
         # fc2: cast dy (+ fc2 dbias), dgrad da = dy @ W2, wgrad dW2 = dy.T @ a
@@ -349,8 +329,8 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
         gelu_epilogue: let fc1's GEMM apply GELU and write the FP8 activation where it can: True; None (default):
             where fc1's output is large enough to gain from it (:func:`use_gelu_epilogue`); False: never
             (:func:`fc1_fprop_act`).
-        fc1_comm, fc2_comm: the tensor-parallel communication of fc1 (column parallel) and fc2 (row parallel),
-            :class:`~fp8engine.ops.comm.LinearComm` objects (module docstring), or None.
+        fc1_comm, fc2_comm: the :class:`~fp8engine.ops.comm.LinearComm` of fc1 (column parallel) and fc2 (row
+            parallel), or None.
     Raises:
         ValueError: ``x_fp8`` given while ``fc1_comm`` all-gathers the input (:func:`linear_input`).
     """
@@ -368,9 +348,8 @@ def fp8_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.
 def _unfused_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, kind, fc1, fc2, *, w1_fp8=None,
                      w2_fp8=None, x_fp8=None, fuse_wgrad=False, gelu_epilogue=None, fc1_comm=None,
                      fc2_comm=None) -> torch.Tensor:
-    """:func:`fp8_mlp` as three autograd nodes, ``fp8_linear -> activation_cast -> fp8_linear`` (the composition
-    it replaced; kept as the reference the fused op is tested against, bit for bit on CPU; never uses the GELU
-    epilogue, ``gelu_epilogue`` is accepted for the same call signature)."""
+    """:func:`fp8_mlp` as three autograd nodes, ``fp8_linear -> activation_cast -> fp8_linear`` (``LayerNormMLP``'s
+    ``fused=False``; the fused op matches it bit for bit on CPU). ``gelu_epilogue`` is accepted and ignored."""
     if w1_fp8 is None:
         w1_fp8 = fc1.weight.quantize(fc1_weight, transpose=torch.is_grad_enabled())
     if w2_fp8 is None:

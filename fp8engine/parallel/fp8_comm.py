@@ -14,6 +14,7 @@ Quantization is element-wise, so with one shared scale "cast shards, gather byte
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -75,12 +76,10 @@ def sp_all_gather_bytes(local_shape, dtype: torch.dtype, group_size: int, fp8: b
     """Bytes one rank receives in a sequence-parallel all-gather of shards ``local_shape`` (ring/NVLS: each rank
     receives the ``size - 1`` other shards): ``(size - 1) * numel * (1 if fp8 else dtype's itemsize)``, plus
     4 bytes per rank for the FP8 path's amax all-reduce (delayed or current scaling)."""
-    numel = 1
-    for d in local_shape:
-        numel *= int(d)
+    numel = math.prod(int(d) for d in local_shape)
     if fp8:
-        return (group_size - 1) * numel + 4 * (group_size - 1)
-    return (group_size - 1) * numel * torch.empty((), dtype=dtype).element_size()
+        return (group_size - 1) * (numel + 4)
+    return (group_size - 1) * numel * dtype.itemsize
 
 
 def measure_sp_all_gather(x_local: torch.Tensor, group, *, fp8: bool, iters: int = 20, warmup: int = 3,
@@ -89,7 +88,7 @@ def measure_sp_all_gather(x_local: torch.Tensor, group, *, fp8: bool, iters: int
 
     The FP8 variant times the whole path a column layer runs (cast with a shared scale + amax all-reduce +
     uint8 all-gather), with current scaling when ``quantizer`` is None (an amax all-reduce before the cast; the
-    costlier of the two recipes). Used by the lead's benchmark; nothing here prints.
+    costlier of the two recipes). Used by :mod:`fp8engine.bench.comm`; nothing here prints.
 
     Returns:
         ``{"fp8": bool, "bytes_received": int per rank, "seconds": mean seconds per gather, "gbps": received
@@ -100,13 +99,8 @@ def measure_sp_all_gather(x_local: torch.Tensor, group, *, fp8: bool, iters: int
         from fp8engine.fp8.dtypes import fp8_dtype_of
 
         quantizer = quantizer or Quantizer(fp8_dtype_of("e4m3"), "current", kernels=x_local.is_cuda)
-
-        def step():
-            cast_and_all_gather_fp8(x_local, quantizer, group)
-    else:
-        def step():
-            all_gather_dim0(x_local, group)
-
+    step = ((lambda: cast_and_all_gather_fp8(x_local, quantizer, group)) if fp8
+            else (lambda: all_gather_dim0(x_local, group)))
     sync = torch.cuda.synchronize if x_local.is_cuda else (lambda: None)
     for _ in range(warmup):
         step()

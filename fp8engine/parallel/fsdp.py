@@ -38,11 +38,9 @@ def shard_model(model: torch.nn.Module, mesh, layers: Iterable[torch.nn.Module],
         model: the root module (its remaining parameters, e.g. embedding and final norm, form the root's group).
         mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (``init_parallel(...).mesh["dp"]``).
         layers: the submodules to shard, in forward order.
-        layers_per_group: consecutive ``layers`` that form one FSDP2 group (``fully_shard`` of a list of
-            modules): all-gathered together before the first one's forward, reduce-scattered together after the
-            last one's backward. 1 is torchtitan's one group per transformer layer; more layers per group issue
-            fewer, larger collectives and run FSDP2's per-group host code (hooks, copy-in / copy-out) fewer times,
-            for the memory of that many gathered layers.
+        layers_per_group: consecutive ``layers`` that form one FSDP2 group, all-gathered and reduce-scattered
+            together. 1 is torchtitan's one group per transformer layer; more issue fewer, larger collectives and
+            run FSDP2's per-group host code fewer times, for the memory of that many gathered layers.
         param_dtype: all-gather and compute dtype of the parameters (None: their own, e.g. fp32).
         reduce_dtype: gradient reduce-scatter dtype (None: ``param_dtype``).
         reshard_after_forward: free each layer's gathered parameters after its forward (re-gathered for the
@@ -89,22 +87,17 @@ def masters_of_fp8_primary_weights(model: torch.nn.Module) -> int:
     """Turn every FP8 primary weight of ``model`` (built under :func:`fp8engine.fp8_model_init`) back into a
     high-precision parameter holding its master value, ready for ``fully_shard``; returns how many.
 
-    Under FSDP2 the sharded parameter *is* the optimizer's master copy (each rank keeps ``1/dp`` of it), and the FP8
-    bytes are made where they pay: the FP8 all-gather (:mod:`fp8engine.parallel.fsdp_fp8`, which
-    :func:`shard_model` then switches on) casts each shard with the weight's scale and gathers one byte per element,
-    and the layers' GEMMs take those bytes as they are. That is TransformerEngine's FSDP2 use of
-    ``fp8_model_init`` (FP8 weights all-gathered, an fp32 master per shard in the optimizer) with one copy fewer:
-    the shard holds the master (4 bytes per element) instead of FP8 bytes plus a separate fp32 master (5), so a
-    TE user's model built under ``fp8_model_init`` shards unchanged.
+    Under FSDP2 the sharded parameter *is* the optimizer's master copy, and the FP8 bytes are made by the FP8
+    all-gather (:mod:`fp8engine.parallel.fsdp_fp8`, which :func:`shard_model` then switches on): TransformerEngine's
+    FSDP2 use of ``fp8_model_init`` with one copy fewer (the shard holds the master, 4 bytes per element, instead of
+    FP8 bytes plus a separate fp32 master, 5), so such a model shards unchanged.
 
     Each weight's master is its kept initial value (``fp8_model_init(preserve_high_precision_init_val=True)``,
     then cleared), else its FP8 bytes dequantized (``weight.float() * scale_inv``), in the dtype of the model's
     other parameters (``fully_shard`` wants one dtype per group; float32 when there are none). Its
-    ``<name>_scale_inv`` buffer is dropped (a checkpoint of the unsharded FP8 model still loads: the module
-    dequantizes an FP8 weight with its ``scale_inv``), and ``fuse_wgrad_accumulation`` is switched off on its
-    module: the gradient goes to ``.grad``, which FSDP2 reduce-scatters (it does not reduce ``main_grad``). A weight
-    whose dim 0 the FSDP group's size does not divide is all-gathered in ``param_dtype``, as without
-    ``fp8_model_init`` (:func:`~fp8engine.parallel.fsdp_fp8.enable_fp8_all_gather`). Delayed and current scaling."""
+    ``<name>_scale_inv`` buffer is dropped (a checkpoint of the unsharded FP8 model still loads), and
+    ``fuse_wgrad_accumulation`` is switched off on its module: FSDP2 reduce-scatters ``.grad``, not ``main_grad``.
+    Delayed and current scaling."""
     from fp8engine.modules.base import FP8Module
     from fp8engine.modules.fp8_init import clear_high_precision_init_val, get_high_precision_init_val
 

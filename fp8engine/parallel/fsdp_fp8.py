@@ -4,26 +4,21 @@
 :func:`enable_fp8_all_gather` wraps the shard of every FP8 GEMM weight in a :class:`FP8AllGatherWeight` before
 ``fully_shard``. FSDP2 then calls its all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``):
 
-1. pre: this rank casts its shard to the forward FP8 format (:func:`~fp8engine.fp8.float8_tensor.quantize`: one
-   cast kernel on CUDA) with the weight's scale *for the whole weight*:
-   delayed scaling: the module's scale for that weight row (``ScalingState.scale``, the same on every rank: the
-   amax histories are MAX-reduced over the data-parallel group); current scaling: ``fp8_max / amax`` of the whole
-   weight, its amax the MAX of the shards' amaxes (one all-reduce over the FSDP group for all weights per forward,
-   :class:`CurrentScales`). Quantization is
+1. pre: this rank casts its shard to the forward FP8 format with the scale *of the whole weight*: delayed
+   scaling, the module's ``ScalingState.scale`` row (the same on every rank: the amax histories are MAX-reduced
+   over the data-parallel group); current scaling, ``fp8_max / amax`` with the MAX of the shards' amaxes (one
+   all-reduce over the FSDP group for all weights per forward, :class:`CurrentScales`). Quantization is
    element-wise, so the gathered bytes equal the cast of the unsharded weight bit for bit. A gather inside the
-   backward (``reshard_after_forward``'s re-gather, a recompute) reuses the forward's scale: the autocast exit
-   has updated the state's scale since, and the parameter autograd saved must get back the forward's values.
-2. the all-gather moves the ``uint8`` bytes and, in the same collective, each shard's amax (4 bytes; the cast
-   kernel measures it);
+   backward (a re-gather, a recompute) reuses the forward's scale, so the parameter autograd saved gets back the
+   forward's values.
+2. the all-gather moves the ``uint8`` bytes and, in the same collective, each shard's amax (4 bytes);
 3. post: the unsharded parameter is a :class:`~fp8engine.fp8.gathered_weight.GatheredFP8Weight` of the gathered
-   bits, the shard's ``scale_inv`` and the MAX of the shards' amaxes (torchao's ``Float8TrainingTensor`` as FSDP2's
-   unsharded parameter): the modules' GEMMs take those bits as they are (no dequantize, no re-cast), and under
-   delayed scaling the weight's amax history records the whole weight's true amax, as the module's own cast of
-   a bf16-gathered weight would. A later gather (the backward's re-gather) refills the same storage and only
-   swaps ``scale_inv`` and ``amax``.
+   bits, the shard's ``scale_inv`` and the MAX of the shards' amaxes (torchao's ``Float8TrainingTensor``): the
+   modules' GEMMs take those bits as they are, and under delayed scaling the weight's amax history records the
+   whole weight's amax. A later gather refills the same storage and only swaps ``scale_inv`` and ``amax``.
 
-Gradients are untouched: FSDP2 reduce-scatters them in ``reduce_dtype`` as for any parameter. The wrapper only
-changes how the sharded weight is all-gathered; the optimizer updates its high-precision shard in place.
+Gradients are untouched: FSDP2 reduce-scatters them in ``reduce_dtype`` as for any parameter, and the optimizer
+updates the high-precision shard in place.
 """
 from __future__ import annotations
 
@@ -49,20 +44,18 @@ aten = torch.ops.aten
 _KEEP_WRAPPED = {aten.detach.default, aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor,
                  aten.copy_.default, aten.view.default, aten.as_strided.default, aten.split.Tensor,
                  aten._pin_memory.default}
-#: FP8Module weight parameter -> its GEMM index (the state's rows are ``input, weight, grad_output`` per GEMM).
-_WEIGHT_GEMM = {"weight": 0, "fc1_weight": 0, "fc2_weight": 1}
+#: FP8Module weight parameter -> its scaling-state row (the rows are ``input, weight, grad_output`` per GEMM).
+_WEIGHT_ROW = {"weight": 1, "fc1_weight": 1, "fc2_weight": 4}
 
 
 class CurrentScales:
     """Current scaling's weight scales for every FP8 all-gather weight of one model, in rounds (torchao's
-    ``precompute_float8_dynamic_scale_for_fsdp``, done lazily): a round takes the amax of every registered shard
-    (``torch._foreach_norm``, order inf: ``max |x|``, exact), MAX-reduces them over the FSDP group in *one*
-    all-reduce and keeps each weight's scale (:func:`~fp8engine.fp8.float8_tensor.current_scale` of the global amax)
-    for its own gather. A kept scale is served once, and only inside the FP8 region (``fp8_autocast`` entry) whose
-    first gather started the round: the optimizer steps outside the region, so the weights are those measured; a
-    shard gathered for the first time registers and starts a round. So the first forward runs one round per weight,
-    every later forward one round in all. Every rank gathers the same weights in the same order, so the rounds
-    (collectives) match across ranks."""
+    ``precompute_float8_dynamic_scale_for_fsdp``, done lazily): a round takes ``max |x|`` of every registered shard
+    (``torch._foreach_norm`` of order inf), MAX-reduces them over the FSDP group in *one* all-reduce and keeps each
+    weight's :func:`~fp8engine.fp8.float8_tensor.current_scale` for its own gather. A kept scale is served once, and
+    only inside the FP8 region (``fp8_autocast`` entry) whose first gather started the round (the optimizer steps
+    outside it); a shard gathered for the first time registers and starts a round. Every rank gathers the same
+    weights in the same order, so the rounds (collectives) match across ranks."""
 
     def __init__(self):
         self._shards: list = []  # weakrefs to the registered shards, in registration order
@@ -150,10 +143,9 @@ class FP8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
         if torch._C._current_graph_task_id() != -1 and self._forward_scale is not None:
-            # a gather inside the backward (the re-gather of ``reshard_after_forward``, a checkpointed layer's
-            # recompute): the forward's scale, so the parameter autograd saved gets back the forward's exact values.
-            # The state's scale has moved on since (the delayed-scaling update at the autocast exit), and reading it
-            # here, on FSDP2's copy-in stream, would race with that update on the default stream.
+            # a gather inside the backward (``reshard_after_forward``'s re-gather, a recompute): the forward's scale.
+            # The state's has moved on since (the update at the autocast exit), and reading it here, on FSDP2's
+            # copy-in stream, would race with that update on the default stream.
             scale, dtype = self._forward_scale
         else:
             scale, dtype = self._scale_source(self._data, mesh.get_group())
@@ -182,9 +174,8 @@ def fp8_weight_rows(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, i
         state = getattr(module, "fp8_state", None)
         if state is None:
             continue
-        for name, gemm in _WEIGHT_GEMM.items():
+        for name, row in _WEIGHT_ROW.items():
             param = module._parameters.get(name)
-            row = 3 * gemm + 1
             if param is not None and row < len(state.roles) and state.roles[row].endswith("weight"):
                 rows.append((module, name, state, row))
     return rows

@@ -1,18 +1,10 @@
 """The tensor-parallel communication of a linear op: :class:`TPLinearComm`, the implementation of
-:class:`fp8engine.ops.comm.LinearComm` that :func:`fp8engine.ops.linear.linear`, the fused MLP op
-(:func:`fp8engine.ops.mlp.fp8_mlp`) and the QKV op call at the points Megatron-core places its collectives, under
-every recipe (per-tensor or block scaling) and in high precision.
+:class:`fp8engine.ops.comm.LinearComm` (where each collective runs, shapes per rank: :mod:`fp8engine.ops.comm`)
+that the linear, MLP and QKV ops call, under every recipe (per-tensor or block scaling) and in high precision.
 
-Per rank (tp = the group's size):
-
-- ``"column"`` (``weight [N/tp, K]``): with ``sequence_parallel`` the input shard ``[s/tp, b, K]`` is all-gathered
-  along dim 0 before fprop; under FP8 with ``fp8_all_gather`` as FP8 bytes (each rank casts its shard with the
-  tp-shared scale, :func:`fp8engine.parallel.fp8_comm.cast_and_all_gather_fp8`: bit-identical to gathering in high
-  precision and casting the whole, at half of bf16's bytes) and backward re-gathers the FP8 shard asynchronously
-  behind the dgrad GEMM. The dgrad ``[s, b, K]`` is a partial sum: all-reduced, or reduce-scattered to
-  ``[s/tp, b, K]`` with sequence parallelism, asynchronously while the wgrad GEMM runs.
-- ``"row"`` (``weight [N, K/tp]``): fprop's partial output ``[s, b, N]`` is all-reduced, or reduce-scattered to
-  ``[s/tp, b, N]`` with sequence parallelism (whose backward all-gathers the output gradient first).
+Under FP8 with ``fp8_all_gather``, a column layer's sequence-parallel input all-gather moves FP8 bytes, bit for bit
+the high-precision gather's cast (:mod:`fp8engine.parallel.fp8_comm`), and backward re-gathers the FP8 shard
+asynchronously behind the dgrad GEMM.
 
 Block scaling (``Float8BlockScaling``): the shard dims must be multiples of 128, so a shard boundary is a block
 boundary and every rank's 1 x 128 tiles and 128 x 128 blocks are exactly the unsharded layer's. The FP8 all-gather
@@ -120,8 +112,7 @@ class TPLinearComm:
 
     def gather_input(self, x: torch.Tensor, quantizer: Optional[Quantizer], transpose: bool
                      ) -> tuple[Union[torch.Tensor, Float8Tensor], Optional[Union[torch.Tensor, Float8Tensor]]]:
-        """All-gather the sequence shard ``x [m, K]`` along dim 0 to ``[tp * m, K]``: ``(total, shard)`` as
-        :meth:`fp8engine.ops.comm.LinearComm.gather_input` describes (FP8 bytes with ``fp8_all_gather``)."""
+        """:meth:`fp8engine.ops.comm.LinearComm.gather_input` (FP8 bytes with ``fp8_all_gather``)."""
         if quantizer is None:
             return all_gather_dim0(x, self.tp_group)[0], x
         if self.fp8_all_gather and not quantizer.is_block:
@@ -135,16 +126,13 @@ class TPLinearComm:
 
     def regather_input(self, shard: Union[torch.Tensor, Float8Tensor]
                        ) -> Callable[[], Union[torch.Tensor, Float8Tensor]]:
-        """Start the all-gather of ``shard`` (high precision, or FP8 bytes sharing one ``scale_inv``)
-        asynchronously; ``finish()`` waits and returns the ``[tp * m, K]`` total (a block-scaled shard: its re-tiled
-        transpose is gathered, and ``finish()`` gives an object whose ``t_operand()`` is the total's)."""
+        """:meth:`fp8engine.ops.comm.LinearComm.regather_input` (a block-scaled shard: only its re-tiled transpose is
+        gathered, and ``finish()`` gives an object whose ``t_operand()`` is the total's)."""
         if isinstance(shard, Float8BlockTensor):
             gathered = all_gather_block_cols(shard.t_operand(), self.tp_group, async_op=True)
             return lambda: _Transposed(gathered())
-        if isinstance(shard, Float8Tensor):
-            total, work = all_gather_fp8_bytes(shard, self.tp_group, async_op=True)
-        else:
-            total, work = all_gather_dim0(shard, self.tp_group, async_op=True)
+        gather = all_gather_fp8_bytes if isinstance(shard, Float8Tensor) else all_gather_dim0
+        total, work = gather(shard, self.tp_group, async_op=True)
 
         def finish():
             work.wait()
@@ -153,9 +141,7 @@ class TPLinearComm:
         return finish
 
     def start_dgrad_comm(self, dx: torch.Tensor) -> tuple[torch.Tensor, Optional[object]]:
-        """Column parallel: start summing the partial dgrad ``dx [M, K]`` over the group asynchronously (in place
-        all-reduce; with sequence parallelism a reduce-scatter into a new ``[M / tp, K]``). Returns ``(dx, work)``,
-        ``dx`` valid after ``work.wait()``; ``work`` None when nothing was started (row parallel, one rank)."""
+        """:meth:`fp8engine.ops.comm.LinearComm.start_dgrad_comm`."""
         if self.parallel_mode == "row" or self.size == 1:
             return dx, None
         if not self.sequence_parallel:
@@ -163,8 +149,7 @@ class TPLinearComm:
         return reduce_scatter_dim0(dx, self.tp_group, async_op=True)
 
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
-        """Row parallel: the SUM over the group of the partial ``y [M, N]`` (a fresh GEMM output, all-reduced in
-        place), reduce-scattered to ``[M / tp, N]`` with sequence parallelism. Column parallel: ``y``."""
+        """:meth:`fp8engine.ops.comm.LinearComm.reduce_output` (``y`` a fresh GEMM output: all-reduced in place)."""
         if self.parallel_mode != "row" or self.size == 1:
             return y
         if self.sequence_parallel:
@@ -172,7 +157,7 @@ class TPLinearComm:
         return all_reduce(y, self.tp_group)[0]
 
     def gather_output_grad(self, dy: torch.Tensor) -> torch.Tensor:
-        """Row parallel with sequence parallelism: all-gather ``dy [M / tp, N]`` to ``[M, N]``; else ``dy``."""
+        """:meth:`fp8engine.ops.comm.LinearComm.gather_output_grad`."""
         if self.parallel_mode == "row" and self.sequence_parallel and self.size > 1:
             return all_gather_dim0(dy, self.tp_group)[0]
         return dy
