@@ -5,7 +5,8 @@
 - 2 processes, FP8 with dropout, stopped and resumed from the ``torch.distributed.checkpoint`` of the sharded
   parameters and AdamW state (bf16 and FP8 weight all-gathers): the losses of an uninterrupted run, exactly;
 - 4 processes as FSDP 2 x tensor parallel 2 (sequence parallel): the one-process losses within the same bound;
-- ``--no-fsdp-reshard-after-forward`` and ``--fsdp-layers-per-group 2``: the same losses exactly; ``--fsdp-reduce-dtype bf16``: within 1 %;
+- ``--no-fsdp-reshard-after-forward`` and ``--fsdp-layers-per-group 1``: the same losses exactly;
+  ``--fsdp-reduce-dtype bf16``: within 1 %;
 - one process with ``--fsdp``, or an FSDP option without ``--fsdp``: exit 2 and one line;
 - a 2-process checkpoint continued on 4 processes (DCP reshards it), saying so in one line.
 """
@@ -43,10 +44,10 @@ def test_fsdp_runs_match_one_process(tmp_path, text_file):
     # gathered parameters kept from forward to backward: the same all-gathered bits, the same losses exactly
     _torchrun(2, *common, "--fsdp", "--no-fsdp-reshard-after-forward", "--out", tmp_path / "keep")
     assert _losses(tmp_path / "keep") == _losses(tmp_path / "fsdp")
-    # two layers per FSDP2 group: the same all-gathered values and the same sums reduce-scattered (element by
-    # element, in the same order), so the same losses exactly
-    _torchrun(2, *common, "--fsdp", "--fsdp-layers-per-group", "2", "--out", tmp_path / "grouped")
-    assert _losses(tmp_path / "grouped") == _losses(tmp_path / "fsdp")
+    # one FSDP2 group per layer instead of the default groups of several layers: the same all-gathered values and
+    # the same sums reduce-scattered (element by element, in the same order), so the same losses exactly
+    _torchrun(2, *common, "--fsdp", "--fsdp-layers-per-group", "1", "--out", tmp_path / "per_layer")
+    assert _losses(tmp_path / "per_layer") == _losses(tmp_path / "fsdp")
     # bf16 gradient reduce-scatter: each averaged gradient rounded to bf16 (8 bits) before AdamW, whose update
     # divides it by its own running RMS: the losses of 6 steps move by far less than 1 %
     _torchrun(2, *common, "--fsdp", "--fsdp-reduce-dtype", "bf16", "--out", tmp_path / "bf16rs")

@@ -28,8 +28,9 @@ MODEL_DEFAULTS = {"tiny": (600, 16, 3e-3), "small": (5000, 64, 1e-3), "gpt2-124m
 #: ``--recipe`` -> the recipe class (built with its defaults; Float8BlockScaling: E4M3, power-of-two scales).
 RECIPES = {"delayed": fp8engine.DelayedScaling, "current": fp8engine.CurrentScaling,
             "block": fp8engine.Float8BlockScaling}
-#: ``--fsdp-layers-per-group`` when not given: transformer layers per FSDP2 group.
-FSDP_LAYERS_PER_GROUP = 1
+#: ``--fsdp-layers-per-group`` when not given: transformer layers per FSDP2 group (1b over 2 H200s, bf16: 171.4 ms
+#: per step with 4, 188.0 with 1, docs/benchmarks.md).
+FSDP_LAYERS_PER_GROUP = 4
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -110,7 +111,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: norms/dropout on sequence shards")
     p.add_argument("--fsdp", action="store_true",
                    help="shard the data-parallel replicas' parameters, gradients and AdamW state with FSDP2 "
-                        "(fully_shard per layer; composes with --tp as a 2-D mesh) instead of replicating them")
+                        "(fully_shard per group of layers; composes with --tp as a 2-D mesh) instead of replicating "
+                        "them")
     p.add_argument("--fp8-all-gather", action="store_true",
                    help="with --fsdp and --precision fp8 (delayed or current scaling): all-gather the FP8 GEMM "
                         "weights as FP8 bytes (half the bytes of the default bf16 all-gather; slower on 2 "
