@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -59,7 +60,8 @@ import torch
 from tqdm.auto import tqdm
 
 import fp8engine
-from fp8engine.fp8.autocast import FP8Context, recompute_context
+from fp8engine.fp8.autocast import FP8Context, get_fp8_context, recompute_context
+from fp8engine.fp8.state import ScalingState
 from fp8engine.models import GPT, GPT_CONFIGS, GPTConfig
 from fp8engine.parallel import RNGStatesTracker, all_reduce_sequence_parallel_grads, model_parallel_manual_seed
 from fp8engine.parallel.data_parallel import GradientAverager, broadcast_parameters
@@ -268,9 +270,32 @@ def _build(run: Run) -> tuple[GPT, torch.nn.Module, torch.optim.Optimizer]:
         # exit reduces them over the dp group (and a resumed rank's come from its own checkpoint shard).
         broadcast_parameters(model, layout.dp_group)
         run.grad_averager = GradientAverager(model.parameters(), layout.dp_group, bucket_mb=100.0)
-    if run.args.compile:
+    if run.args.compile and run.args.fsdp:
+        # Each layer's forward compiled on its own (torchtitan's per-block compile): FSDP2's hooks, which Dynamo
+        # does not trace, run between the layers. Compiling the whole model puts them inside the loop over the
+        # layers, and a graph break inside a loop makes Dynamo skip the whole GPT.forward frame. The layer's scaling
+        # states are registered with the FP8 region by an eager pre-hook, not by the traced code, whose per-state
+        # registry keys would make Dynamo guard on each layer's states and recompile every layer (past its
+        # recompile_limit of 8, the remaining layers would run eagerly). The command's GPT checkpoints no activations,
+        # so no recompute needs the traced registration.
+        for layer in model.layers:
+            states = [m for m in layer.modules() if isinstance(m, ScalingState)]
+            for state in states:
+                state.registered_outside_graph = True
+            layer.register_forward_pre_hook(functools.partial(_register_states, states))
+            layer.forward = torch.compile(layer.forward)
+    elif run.args.compile:
         step_model = torch.compile(step_model)
     return model, step_model, optimizer
+
+
+def _register_states(states: list, module: torch.nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a layer compiled on its own: register its scaling states with the active delayed-scaling
+    FP8 region, eagerly (what the traced code would do, without a guard per layer)."""
+    ctx = get_fp8_context()
+    if ctx is not None and isinstance(ctx.recipe, fp8engine.DelayedScaling):
+        for state in states:
+            ctx.register(state)
 
 
 def graph_problem(run: Run) -> Optional[str]:

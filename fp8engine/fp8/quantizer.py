@@ -270,7 +270,8 @@ def get_quantizers(state, ctx) -> tuple[LinearQuantizers, ...]:
             if state.amax_history.shape[1] != recipe.amax_history_len:
                 state.resize_history(recipe.amax_history_len)
                 state.history_from_graph = True
-            ctx.register(state)
+            if not state.registered_outside_graph:
+                ctx.register(state)
             fwd_scale = frozen_scale(state.scale)
         return _build(state, recipe, ctx.record_amax, False, fwd_scale=fwd_scale)
     cache, record, kernels = state._quantizers, ctx.record_amax, use_kernels(state.scale)

@@ -50,6 +50,10 @@ class ScalingState(nn.Module):
         #: the next update copies it out first (:func:`reduce_and_update`)
         self.history_from_graph = False
         self.kernels = False  #: its quantizers' backend (fp8.quantizer.get_quantizers), which its update runs too
+        #: True when eager code registers this state with each FP8 region before a compiled forward uses it
+        #: (fp8engine.train's per-layer compile under FSDP2): the traced code then leaves the region's registry alone,
+        #: whose per-state keys would make Dynamo guard on each layer's state and recompile every layer
+        self.registered_outside_graph = False
         self._fp8_max_cache: dict = {}
         self._quantizers: dict = {}  #: the quantizer cache of fp8.quantizer.get_quantizers
         #: FP8 health counters (fp8.stats.StatsCounters; not buffers), whether quantizers built now count into them,
